@@ -1,0 +1,129 @@
+"""Checkpoints: safetensors (no pickle) plus a JSON sidecar, both written atomically.
+
+Tensor names: ``param/<name>``, ``buffer/<name>`` and ``optim/<param name>/<state key>``.
+The sidecar (``<file>.json``) carries model, preset, strategy, workers, step, seed and
+versions; the same JSON is stored in the safetensors header, so a file that lost its
+sidecar can still be identified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from gradsync import __version__
+from gradsync.errors import UserError
+
+PARAM, BUFFER, OPTIM = "param/", "buffer/", "optim/"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Loaded tensors and metadata."""
+
+    path: Path
+    tensors: dict[str, Tensor]
+    meta: dict[str, Any]
+
+    def parameters(self) -> dict[str, Tensor]:
+        """Parameters and buffers (the model state), without optimizer state."""
+        return {k: v for k, v in self.tensors.items() if not k.startswith(OPTIM)}
+
+
+def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Tensor]:
+    """Flat name → tensor map of parameters, buffers and optimizer state."""
+    tensors: dict[str, Tensor] = {}
+    names = {}
+    for name, param in model.named_parameters():
+        tensors[PARAM + name] = param.detach()
+        names[param] = name
+    for name, buffer in model.named_buffers():
+        tensors[BUFFER + name] = buffer.detach()
+    if optimizer is not None:
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, Tensor):
+                    tensors[f"{OPTIM}{names[param]}/{key}"] = value.detach()
+    return {k: (v.to_dense() if v.is_sparse else v).cpu().contiguous() for k, v in tensors.items()}
+
+
+def versions() -> dict[str, str]:
+    return {"gradsync": __version__, "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def atomic_write_bytes(path: Path, write: Any) -> None:
+    """Call ``write(tmp_path)`` then rename over ``path``: readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temp file + rename)."""
+    atomic_write_bytes(path, lambda tmp: tmp.write_text(text))
+
+
+def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """Write ``path`` (safetensors) and ``path.json`` atomically.
+
+    Example:
+        >>> import tempfile, torch
+        >>> p = Path(tempfile.mkdtemp()) / "ckpt.safetensors"
+        >>> save_checkpoint(p, {"param/w": torch.ones(2)}, {"model": "m"})
+        >>> load_checkpoint(p).meta["model"]
+        'm'
+    """
+    meta = {**meta, "versions": versions()}
+    text = json.dumps(meta, indent=2, sort_keys=True)
+    atomic_write_bytes(path, lambda tmp: save_file(tensors, str(tmp), metadata={"gradsync": text}))
+    atomic_write_text(sidecar_path(path), text + "\n")
+
+
+def sidecar_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint; a missing or corrupt file is a UserError (exit 2)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoint.safetensors"
+    if not path.is_file():
+        raise UserError(f"no checkpoint at {path}; pass a .safetensors file written by gradsync "
+                        "or its run folder")
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            header = (handle.metadata() or {}).get("gradsync")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise UserError(f"checkpoint {path} is corrupt or not a safetensors file ({error}); "
+                        "rerun the job that wrote it") from None
+    sidecar = sidecar_path(path)
+    try:
+        text = sidecar.read_text() if sidecar.is_file() else header
+        meta = json.loads(text) if text else {}
+    except (json.JSONDecodeError, OSError) as error:
+        raise UserError(f"checkpoint sidecar {sidecar} is corrupt ({error}); delete it to fall "
+                        "back on the metadata inside the safetensors file") from None
+    return Checkpoint(path=path, tensors=tensors, meta=meta)

@@ -1,0 +1,1 @@
+"""Reusable transport pieces over torch.distributed (c10d)."""

@@ -1,0 +1,158 @@
+"""Tensor fusion: gradients packed into flat buckets, each allreduced as soon as it is full.
+
+Horovod's fusion buffer and DDP's gradient buckets both exist because one allreduce of a
+large buffer costs far less than many small ones. Buckets are formed once, in reverse
+parameter order (the order backward produces gradients), up to a size threshold. A
+gradient is copied into its bucket the moment it is accumulated; the bucket's allreduce is
+launched asynchronously when its last gradient arrives, overlapping the rest of backward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradsync.comm.counters import CommStats
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients travel together in one flat buffer."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    buffer: Tensor
+    pending: int = 0
+    work: Any = None
+    filled: set[int] = field(default_factory=set)
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.work = None
+        self.filled.clear()
+
+
+def plan_buckets(params: Sequence[nn.Parameter], threshold_bytes: int) -> list[list[int]]:
+    """Indices of ``params`` grouped into buckets, last parameter first, up to ``threshold_bytes``.
+
+    A threshold of 0 disables fusion (one bucket per parameter).
+
+    Example:
+        >>> ps = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 10)]
+        >>> plan_buckets(ps, threshold_bytes=80)
+        [[2, 1], [0]]
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index in reversed(range(len(params))):
+        size = params[index].numel() * params[index].element_size()
+        if current and current_bytes + size > threshold_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class FusedAllreduce:
+    """Average gradients over ``group`` with fused, asynchronous allreduces.
+
+    Call :meth:`attach` once; then every backward launches bucket allreduces as gradients
+    become ready, and :meth:`finish` waits for them and writes the averaged gradients back.
+
+    Example:
+        >>> # fused = FusedAllreduce(list(model.parameters()), threshold_bytes=64 << 20,
+        >>> #                        group=None, world_size=2, stats=CommStats())
+        >>> # fused.attach(); loss.backward(); fused.finish(); optimizer.step()
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        *,
+        threshold_bytes: int,
+        group: Any,
+        world_size: int,
+        stats: CommStats,
+        fp16: bool = False,
+    ) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.stats = stats
+        self.wire_dtype = torch.float16 if fp16 else None
+        self.buckets: list[Bucket] = []
+        self._slot: dict[int, tuple[Bucket, int]] = {}
+        for indices in plan_buckets(params, threshold_bytes):
+            members = [params[i] for i in indices]
+            offsets, total = [], 0
+            for param in members:
+                offsets.append(total)
+                total += param.numel()
+            dtype = self.wire_dtype or members[0].dtype
+            bucket = Bucket(members, offsets, torch.zeros(total, dtype=dtype,
+                                                          device=members[0].device))
+            bucket.reset()
+            self.buckets.append(bucket)
+            for position, param in enumerate(members):
+                self._slot[id(param)] = (bucket, position)
+
+    def attach(self) -> None:
+        """Register a post-accumulate-grad hook on every parameter."""
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        bucket, position = self._slot[id(param)]
+        self._copy_in(bucket, position)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _copy_in(self, bucket: Bucket, position: int) -> None:
+        param = bucket.params[position]
+        start = bucket.offsets[position]
+        view = bucket.buffer[start : start + param.numel()]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        else:
+            # Sparse gradients are densified, like Horovod's sparse_as_dense.
+            view.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        bucket.filled.add(position)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        self.stats.add_allreduce(bucket.buffer.numel() * bucket.buffer.element_size(),
+                                 self.world_size)
+
+    def finish(self) -> None:
+        """Wait for every bucket, write averaged gradients into ``param.grad``, reset."""
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket.work is None:
+                # Parameters that got no gradient this step contribute zeros.
+                for position in range(len(bucket.params)):
+                    if position not in bucket.filled:
+                        self._copy_in(bucket, position)
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.buffer.div_(self.world_size)
+            for param, start in zip(bucket.params, bucket.offsets, strict=True):
+                averaged = bucket.buffer[start : start + param.numel()].view_as(param)
+                if param.grad is None or param.grad.is_sparse:
+                    param.grad = averaged.to(param.dtype, copy=True)
+                else:
+                    param.grad.copy_(averaged)
+            bucket.reset()
+        self.stats.exposed_comm_s += time.perf_counter() - started

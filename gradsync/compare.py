@@ -1,0 +1,77 @@
+"""Tensor-by-tensor comparison of checkpoints: max abs and max relative difference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradsync.checkpoint import Checkpoint
+from gradsync.errors import UserError
+
+DEFAULT_TOLERANCE = 1e-5
+RELATIVE_FLOOR = 1e-6  # elements smaller than this in the reference are left out of max rel
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How far one tensor is from its reference."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+
+    def within(self, tolerance: float) -> bool:
+        return self.max_abs <= tolerance
+
+
+def tensor_diff(name: str, reference: torch.Tensor, other: torch.Tensor) -> TensorDiff:
+    """Max |a−b|, and max |a−b|/|a| over elements with |a| ≥ 1e-6.
+
+    Example:
+        >>> tensor_diff("w", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+        TensorDiff(name='w', max_abs=0.5, max_rel=0.25)
+    """
+    a, b = reference.double(), other.double()
+    diff = (a - b).abs()
+    if diff.numel() == 0:
+        return TensorDiff(name, 0.0, 0.0)
+    significant = a.abs() >= RELATIVE_FLOOR
+    rel = (diff[significant] / a.abs()[significant]).max().item() if significant.any() else 0.0
+    return TensorDiff(name, diff.max().item(), rel)
+
+
+def diff_checkpoints(reference: Checkpoint, other: Checkpoint, *,
+                     include_optimizer: bool = True) -> list[TensorDiff]:
+    """Compare ``other`` with ``reference`` tensor by tensor; both must hold the same model."""
+    ref_model, other_model = reference.meta.get("model"), other.meta.get("model")
+    if ref_model != other_model or reference.meta.get("preset") != other.meta.get("preset"):
+        raise UserError(
+            f"cannot compare {other.path} ({other_model}/{other.meta.get('preset')}) with "
+            f"{reference.path} ({ref_model}/{reference.meta.get('preset')}): different models; "
+            "compare checkpoints of the same model and preset"
+        )
+    ref = reference.tensors if include_optimizer else reference.parameters()
+    oth = other.tensors if include_optimizer else other.parameters()
+    ref_keys = {k for k in ref if not k.startswith("optim/")}
+    oth_keys = {k for k in oth if not k.startswith("optim/")}
+    if ref_keys != oth_keys:
+        missing = sorted(ref_keys ^ oth_keys)[:3]
+        raise UserError(f"{other.path} and {reference.path} hold different tensors (e.g. "
+                        f"{', '.join(missing)}); were they written by the same model options?")
+    diffs = []
+    for name in sorted(set(ref) & set(oth)):
+        if ref[name].shape != oth[name].shape:
+            raise UserError(f"tensor {name} has shape {tuple(oth[name].shape)} in {other.path} "
+                            f"but {tuple(ref[name].shape)} in {reference.path}")
+        diffs.append(tensor_diff(name, ref[name], oth[name]))
+    return diffs
+
+
+def worst(diffs: list[TensorDiff]) -> TensorDiff:
+    """The largest max-abs and max-rel over all tensors (each may come from another tensor)."""
+    return TensorDiff("all", max((d.max_abs for d in diffs), default=0.0),
+                      max((d.max_rel for d in diffs), default=0.0))
+
+
+__all__ = ["DEFAULT_TOLERANCE", "TensorDiff", "diff_checkpoints", "tensor_diff", "worst"]

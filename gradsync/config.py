@@ -1,0 +1,151 @@
+"""Typed, keyword-only run configuration, validated up front with the numbers in the message."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gradsync.errors import UserError
+
+Optimizer = Literal["sgd", "adam"]
+LrScaling = Literal["none", "linear", "sqrt"]
+OPTIMIZERS = ("sgd", "adam")
+LR_SCALINGS = ("none", "linear", "sqrt")
+DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule.
+
+    ``lr_scaling`` applies a rule to ``lr`` given ``global_batch / lr_base_batch``: ``linear``
+    is Goyal et al. 2017 (lr × k), ``sqrt`` is Krizhevsky 2014 (lr × √k). ``warmup_steps``
+    ramps the rate linearly from lr/warmup to lr (Goyal et al.'s gradual warm-up).
+    """
+
+    name: Optimizer = "sgd"
+    lr: float | None = None
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_scaling: LrScaling = "none"
+    lr_base_batch: int | None = None
+
+    def base_lr(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.name]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllreduceConfig:
+    """Horovod-style allreduce: fusion threshold (MB) and fp16 gradient compression."""
+
+    fusion_threshold_mb: float = 64.0
+    fp16_compression: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Where the ranks run: local processes, or one node of a multi-node job."""
+
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    timeout_s: float = 300.0
+    threads: int | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training job.
+
+    Example:
+        >>> cfg = TrainConfig(model="mnist-cnn", preset="tiny", strategy="ddp", workers=2, steps=3)
+        >>> TrainConfig.from_json(cfg.to_json()) == cfg
+        True
+    """
+
+    model: str = "transformer"
+    preset: str = "default"
+    model_options: dict[str, str] = field(default_factory=dict)
+    strategy: str = "allreduce"
+    workers: int = 1
+    steps: int = 50
+    global_batch: int | None = None
+    seed: int = 0
+    data: str | None = None
+    out: str = "runs/latest"
+    deterministic: bool = False
+    measure_warmup: int | None = None
+    checkpoint_every: int = 0
+    log_every: int | None = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        _check_positive("--workers", self.workers)
+        _check_positive("--steps", self.steps)
+        if self.global_batch is not None:
+            _check_positive("--global-batch", self.global_batch)
+            if self.global_batch % self.workers:
+                raise UserError(
+                    f"--global-batch {self.global_batch} does not divide by --workers "
+                    f"{self.workers}; use a multiple of {self.workers} "
+                    f"(e.g. {self.workers * max(1, self.global_batch // self.workers)})"
+                )
+        if self.optim.name not in OPTIMIZERS:
+            raise UserError(f"unknown optimizer '{self.optim.name}'; choose one of: sgd, adam")
+        if self.optim.lr_scaling not in LR_SCALINGS:
+            raise UserError(f"unknown --lr-scaling '{self.optim.lr_scaling}'; choose one of: "
+                            f"{', '.join(LR_SCALINGS)}")
+        if self.optim.lr is not None and not self.optim.lr > 0:
+            raise UserError(f"--lr must be > 0, got {self.optim.lr}")
+        if self.optim.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be >= 0, got {self.optim.warmup_steps}")
+        if self.allreduce.fusion_threshold_mb < 0:
+            raise UserError(f"--fusion-threshold-mb must be >= 0, got "
+                            f"{self.allreduce.fusion_threshold_mb}")
+        launch = self.launch
+        _check_positive("--nnodes", launch.num_nodes)
+        if not 0 <= launch.node_rank < launch.num_nodes:
+            raise UserError(f"--node-rank {launch.node_rank} is outside 0..{launch.num_nodes - 1} "
+                            f"for --nnodes {launch.num_nodes}")
+        if self.workers % launch.num_nodes:
+            raise UserError(f"--workers {self.workers} does not divide over --nnodes "
+                            f"{launch.num_nodes}; use a multiple of {launch.num_nodes}")
+        if launch.threads is not None:
+            _check_positive("--threads", launch.threads)
+        if launch.master_port is not None and not 0 < launch.master_port < 65536:
+            raise UserError(f"--master-port {launch.master_port} is not a TCP port (1..65535)")
+        if not launch.timeout_s > 0:
+            raise UserError(f"--timeout must be > 0 seconds, got {launch.timeout_s}")
+        if self.data is not None and not Path(self.data).exists():
+            raise UserError(f"--data {self.data} does not exist; pass the path of the data "
+                            "file or directory for this model")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        raw = json.loads(text)
+        return cls(
+            **{k: v for k, v in raw.items() if k not in ("optim", "allreduce", "launch")},
+            optim=OptimConfig(**raw["optim"]),
+            allreduce=AllreduceConfig(**raw["allreduce"]),
+            launch=LaunchConfig(**raw["launch"]),
+        )
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise UserError(f"{flag} must be a positive integer, got {value}")

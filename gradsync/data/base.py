@@ -1,0 +1,138 @@
+"""The data contract: every step has one global batch fixed by (seed, step).
+
+A dataset hands out any contiguous range of samples of a step's global batch, so worker
+``k`` of ``N`` asks for ``[k*B/N, (k+1)*B/N)`` and ``single`` asks for ``[0, B)``. Nothing
+here depends on the number of workers: that is what makes every strategy comparable with
+the single-process reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from gradsync.errors import UserError
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 chained), stable across runs and machines.
+
+    Example:
+        >>> mix_seed(0, 5, 3) == mix_seed(0, 5, 3) != mix_seed(0, 5, 4)
+        True
+    """
+    state = 0x9E3779B97F4A7C15
+    for part in parts:
+        state = (state + (part & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state & ((1 << 63) - 1)
+
+
+def generator(*parts: int) -> torch.Generator:
+    """A CPU generator seeded by :func:`mix_seed` of ``parts``."""
+    return torch.Generator().manual_seed(mix_seed(*parts))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A slice of a global batch.
+
+    ``inputs`` (positional model arguments) and ``targets`` are per-sample (dim 0 is the
+    sample); ``shared`` tensors are the same for the whole global batch (e.g. sampled-softmax
+    candidates) and are given to every shard unchanged as keyword arguments. The model is
+    called as ``model(*inputs, **shared)``.
+    """
+
+    inputs: tuple[Tensor, ...]
+    targets: Tensor
+    shared: Mapping[str, Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.targets.shape[0])
+
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on ``device`` (a no-op on the CPU)."""
+        if device.type == "cpu":
+            return self
+        return Batch(
+            inputs=tuple(v.to(device, non_blocking=True) for v in self.inputs),
+            targets=self.targets.to(device, non_blocking=True),
+            shared={k: v.to(device, non_blocking=True) for k, v in self.shared.items()},
+        )
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """Deterministic source of global batches.
+
+    ``batch(step=s, size=B, start=a, stop=b)`` returns samples ``[a, b)`` of the global batch
+    of size ``B`` at step ``s``; the same arguments always give the same tensors.
+    """
+
+    def batch(self, *, step: int, size: int, start: int, stop: int) -> Batch: ...
+
+
+def shard_bounds(global_batch: int, num_workers: int, worker: int) -> tuple[int, int]:
+    """Worker ``worker`` of ``num_workers`` takes the contiguous shard ``[start, stop)``.
+
+    Example:
+        >>> shard_bounds(8, 2, 1)
+        (4, 8)
+    """
+    if num_workers < 1 or global_batch % num_workers:
+        raise UserError(
+            f"global batch {global_batch} does not divide by {num_workers} workers; "
+            f"use a --global-batch that is a multiple of {num_workers}"
+        )
+    per_worker = global_batch // num_workers
+    return worker * per_worker, (worker + 1) * per_worker
+
+
+def per_sample(
+    seed: int, step: int, start: int, stop: int, draw: Callable[[torch.Generator], Tensor]
+) -> Tensor:
+    """Stack ``draw(g)`` for samples ``start..stop-1``, each with its own (seed, step, index) generator.
+
+    This is what makes synthetic data independent of how the global batch is sharded.
+    """
+    return torch.stack([draw(generator(seed, step, index)) for index in range(start, stop)])
+
+
+class IndexedSamples:
+    """A global-batch view over ``n`` stored samples: epoch permutations seeded by (seed, epoch).
+
+    Sample ``i`` of step ``s`` (global batch ``B``) is element ``p % n`` of the permutation of
+    epoch ``p // n``, where ``p = s*B + i``. Subclasses implement :meth:`gather`.
+    """
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples < 1:
+            raise UserError("the data file holds no samples; check the --data path")
+        self.num_samples = num_samples
+        self.seed = seed
+
+    @lru_cache(maxsize=4)  # noqa: B019 - a handful of epochs, owned by the instance
+    def _permutation(self, epoch: int) -> Tensor:
+        return torch.randperm(self.num_samples, generator=generator(self.seed, epoch))
+
+    def indices(self, *, step: int, size: int, start: int, stop: int) -> Tensor:
+        positions = range(step * size + start, step * size + stop)
+        return torch.stack(
+            [self._permutation(p // self.num_samples)[p % self.num_samples] for p in positions]
+        )
+
+    def batch(self, *, step: int, size: int, start: int, stop: int) -> Batch:
+        return self.gather(self.indices(step=step, size=size, start=start, stop=stop))
+
+    def gather(self, indices: Tensor) -> Batch:
+        raise NotImplementedError

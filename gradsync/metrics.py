@@ -1,0 +1,127 @@
+"""Per-step metrics (one JSON line per step per rank) and the run summary built from them."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from gradsync.checkpoint import atomic_write_text, versions
+from gradsync.stats import throughput
+
+METRICS_DIR = "metrics"
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """What one rank measured in one step. Bytes and exposed time are this step's deltas."""
+
+    step: int
+    rank: int
+    loss: float
+    step_time_s: float
+    samples_per_s: float
+    bytes_sent: int
+    bytes_recv: int
+    exposed_comm_s: float
+    lr: float
+
+
+class MetricsWriter:
+    """Appends :class:`StepRecord` lines to ``<out>/metrics/rank<r>.jsonl``, flushed per line."""
+
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        directory = out_dir / METRICS_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = open(directory / f"rank{rank}.jsonl", "w")  # noqa: SIM115
+
+    def write(self, record: StepRecord) -> None:
+        self._file.write(json.dumps(asdict(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_records(out_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's step records, keyed by rank."""
+    records: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((out_dir / METRICS_DIR).glob("rank*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if lines:
+            records[int(path.stem.removeprefix("rank"))] = lines
+    return records
+
+
+def environment(threads: int) -> dict[str, Any]:
+    """Where the numbers were measured."""
+    return {
+        **versions(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads_per_rank": threads,
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def summarize(out_dir: Path, *, global_batch: int, measure_warmup: int | None,
+              run_info: dict[str, Any]) -> dict[str, Any]:
+    """Write ``summary.json``: throughput after warm-up, loss curve, bytes per step and rank.
+
+    The job's step time is the slowest worker's step time; loss is the mean over workers
+    (equal shards, so it is the global-batch loss).
+    """
+    records = read_records(out_dir)
+    steps = sorted({r["step"] for lines in records.values() for r in lines})
+    by_step = {s: [r for lines in records.values() for r in lines if r["step"] == s] for s in steps}
+    step_times = [max(r["step_time_s"] for r in by_step[s]) for s in steps]
+    losses = [statistics.fmean(r["loss"] for r in by_step[s]) for s in steps]
+    rate = throughput(step_times, global_batch, warmup_steps=measure_warmup)
+    measured = steps[rate.warmup_steps:]
+    per_rank = {
+        rank: {
+            "bytes_sent_per_step": _mean(r["bytes_sent"] for r in lines if r["step"] in measured),
+            "bytes_recv_per_step": _mean(r["bytes_recv"] for r in lines if r["step"] in measured),
+            "exposed_comm_s_per_step": _mean(
+                r["exposed_comm_s"] for r in lines if r["step"] in measured),
+        }
+        for rank, lines in records.items()
+    }
+    summary = {
+        **run_info,
+        "throughput": rate.as_dict(),
+        "step_time_s_median": statistics.median(step_times[rate.warmup_steps:]),
+        "loss": losses,
+        "final_loss": losses[-1],
+        "bytes_sent_per_step": _mean(v["bytes_sent_per_step"] for v in per_rank.values()),
+        "ranks": per_rank,
+    }
+    atomic_write_text(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else 0.0
+
+
+def load_summary(out_dir: Path) -> dict[str, Any]:
+    return json.loads((out_dir / SUMMARY_FILE).read_text())

@@ -1,0 +1,66 @@
+"""Model registry: one file per published model, one line here per model.
+
+Example:
+    >>> from gradsync.models import build_workload
+    >>> workload = build_workload("mnist-cnn", preset="tiny")
+    >>> workload.global_batch
+    8
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gradsync.errors import UserError
+from gradsync.models import lstm_lm, mnist_cnn, resnet, transformer, vgg
+from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset
+from gradsync.models.user import build_user_workload, is_user_model
+
+DEFAULT_MODEL = "transformer"
+
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (transformer.SPEC, lstm_lm.SPEC, resnet.SPEC, vgg.SPEC, mnist_cnn.SPEC)
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The registered spec called ``name``, or a UserError listing the choices."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UserError(
+            f"unknown model '{name}'; choose one of: {', '.join(REGISTRY)}, "
+            "or a user model as path/to/file.py:build or package.module:build"
+        ) from None
+
+
+def check_model(name: str) -> None:
+    """Fail early (UserError) when ``name`` is neither registered nor a loadable user model."""
+    if is_user_model(name):
+        build_user_workload(name, BuildRequest(), load_only=True)
+    else:
+        model_spec(name)
+
+
+def build_workload(
+    name: str,
+    *,
+    preset: str = "default",
+    seed: int = 0,
+    data: str | None = None,
+    dropout: bool = True,
+    options: Mapping[str, str] | None = None,
+) -> Workload:
+    """Build model, dataset and loss for ``name`` (registered or ``file.py:fn``/``pkg.mod:fn``)."""
+    request = BuildRequest(
+        preset=preset, seed=seed, data=data, dropout=dropout, options=dict(options or {})
+    )
+    if is_user_model(name):
+        return build_user_workload(name, request)
+    check_preset(preset, name)
+    return model_spec(name).build(request)
+
+
+__all__ = ["DEFAULT_MODEL", "REGISTRY", "BuildRequest", "ModelSpec", "Workload", "build_workload",
+           "check_model", "model_spec"]

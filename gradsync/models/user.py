@@ -1,0 +1,116 @@
+"""User models: ``--model path/to/file.py:build`` or ``--model package.module:build``.
+
+The contract (see ``examples/user_model.py``): ``build`` is a function taking any of the
+keyword arguments ``preset``, ``seed``, ``data``, ``dropout`` and the user's own
+``--model-option`` keys, and returning either a :class:`~gradsync.models.base.Workload` or a
+tuple ``(model, dataset, loss)``. ``dataset`` is either a gradsync
+:class:`~gradsync.data.base.Dataset` or a map-style torch dataset (``__len__`` and
+``__getitem__`` returning ``(input, target)``), which is sampled deterministically by epoch
+permutations seeded by (seed, epoch).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import default_collate
+
+from gradsync.data.base import Batch, Dataset, IndexedSamples
+from gradsync.errors import UserError
+from gradsync.models.base import BuildRequest, Workload
+
+DEFAULT_USER_GLOBAL_BATCH = 32
+
+
+def is_user_model(name: str) -> bool:
+    """``file.py:fn`` and ``pkg.mod:fn`` name user models; registry names have no colon."""
+    return ":" in name
+
+
+def _load_function(name: str) -> Callable[..., Any]:
+    location, _, function_name = name.rpartition(":")
+    if location.endswith(".py"):
+        path = Path(location)
+        if not path.is_file():
+            raise UserError(f"user model file {path} does not exist; pass --model FILE.py:FUNCTION")
+        spec = importlib.util.spec_from_file_location(f"gradsync_user_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            raise UserError(f"user model file {path} failed to import: {error!r}") from None
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ImportError as error:
+            raise UserError(f"cannot import user model module '{location}': {error}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UserError(f"'{function_name}' is not a function in {location}; pass --model {location}:FUNCTION")
+    return function
+
+
+def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = False) -> Workload:
+    """Import and call the user's build function; adapt its result into a Workload."""
+    build = _load_function(name)
+    if load_only:
+        return None  # type: ignore[return-value]
+    available = {
+        "preset": request.preset,
+        "seed": request.seed,
+        "data": request.data,
+        "dropout": request.dropout,
+        **request.options,
+    }
+    parameters = inspect.signature(build).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [key for key in request.options if key not in parameters and not takes_any]
+    if unknown:
+        raise UserError(f"user model {name} takes no option {', '.join(unknown)}; its parameters: "
+                        f"{', '.join(parameters)}")
+    kwargs = {k: v for k, v in available.items() if takes_any or k in parameters}
+    result = build(**kwargs)
+    if isinstance(result, Workload):
+        return result
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise UserError(f"user model {name} must return a Workload or (model, dataset, loss), "
+                        f"got {type(result).__name__}")
+    model, dataset, loss = result
+    if not isinstance(dataset, Dataset):
+        dataset = MapStyleSamples(dataset, seed=request.seed)
+    return Workload(model=model, dataset=dataset, loss=loss,
+                    global_batch=DEFAULT_USER_GLOBAL_BATCH, description=name)
+
+
+class MapStyleSamples(IndexedSamples):
+    """Global batches from a map-style torch dataset of ``(input, target)`` items.
+
+    Example:
+        >>> import torch
+        >>> items = [(torch.tensor([float(i)]), torch.tensor(i)) for i in range(10)]
+        >>> len(MapStyleSamples(items, seed=0).batch(step=0, size=4, start=0, stop=4))
+        4
+    """
+
+    def __init__(self, dataset: Any, *, seed: int) -> None:
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise UserError("a user model's dataset must be a gradsync Dataset or a map-style "
+                            "dataset with __len__ and __getitem__ returning (input, target)")
+        super().__init__(len(dataset), seed)
+        self.dataset = dataset
+
+    def gather(self, indices: Tensor) -> Batch:
+        inputs, targets = default_collate([self.dataset[int(i)] for i in indices])
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        return Batch(inputs=tuple(inputs), targets=targets)

@@ -1,0 +1,57 @@
+"""Optimizers (SGD with momentum, Adam) and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from gradsync.config import OptimConfig
+
+
+def effective_lr(config: OptimConfig, global_batch: int, base_batch: int) -> float:
+    """The peak learning rate after the batch-size scaling rule.
+
+    ``linear`` (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): lr × B/B₀;
+    ``sqrt`` (Krizhevsky 2014): lr × √(B/B₀).
+
+    Example:
+        >>> effective_lr(OptimConfig(lr=0.1, lr_scaling="linear"), 512, 256)
+        0.2
+    """
+    ratio = global_batch / (config.lr_base_batch or base_batch)
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[config.lr_scaling]
+    return config.base_lr() * factor
+
+
+class Updater:
+    """An optimizer plus its warm-up schedule: ``update()`` steps, schedules and zeroes grads.
+
+    Example:
+        >>> model = nn.Linear(2, 1)
+        >>> updater = Updater(model.parameters(), OptimConfig(name="sgd", lr=0.1), lr=0.1)
+        >>> model(torch.ones(1, 2)).sum().backward(); updater.update()
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], config: OptimConfig, *, lr: float) -> None:
+        params = list(params)
+        if config.name == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
+        warmup = config.warmup_steps
+        # Gradual warm-up (Goyal et al. 2017, §2.2): ramp linearly over the first steps.
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+
+    def update(self) -> None:
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])

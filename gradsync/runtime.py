@@ -1,0 +1,154 @@
+"""One rank of a job: join the process group, build the workload, train, write results.
+
+Started by gradsync's launcher (``python -m gradsync.runtime CONFIG``), or directly by
+``gradsync train`` under torchrun, srun or mpirun.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gradsync.checkpoint import atomic_write_text, model_state, save_checkpoint
+from gradsync.comm.batchnorm import convert_batchnorm
+from gradsync.config import TrainConfig
+from gradsync.data.base import mix_seed
+from gradsync.errors import UserError
+from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
+from gradsync.models import build_workload
+from gradsync.optim import Updater, effective_lr
+from gradsync.progress import StepProgress
+from gradsync.strategies import Context, strategy_class
+from gradsync.topology import RankEnv, default_threads
+from gradsync.trainer import train
+
+CHECKPOINT_FILE = "checkpoint.safetensors"
+
+
+def run_rank(config: TrainConfig, env: RankEnv) -> None:
+    """Train as rank ``env.rank`` of ``env.world_size``; rank 0 writes the summary."""
+    threads = config.launch.threads or default_threads(env.local_world_size)
+    torch.set_num_threads(threads)
+    print(f"[rank {env.rank}] {env.launcher}: intra-op threads {threads} "
+          f"({os.cpu_count()} cores / {env.local_world_size} local ranks)", flush=True)
+    device = _device(config, env)
+    distributed = env.world_size > 1 or config.strategy != "single"
+    if distributed:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank, world_size=env.world_size,
+            timeout=timedelta(seconds=config.launch.timeout_s),
+        )
+    try:
+        _train_and_record(config, env, device, threads)
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train_and_record(config: TrainConfig, env: RankEnv, device: torch.device,
+                      threads: int) -> None:
+    out = Path(config.out)
+    strategy = strategy_class(config.strategy)()
+    num_workers = config.workers
+
+    torch.manual_seed(config.seed)  # identical initial parameters on every rank
+    workload = build_workload(config.model, preset=config.preset, seed=config.seed,
+                              data=config.data, dropout=not config.deterministic,
+                              options=config.model_options)
+    global_batch = config.global_batch or workload.global_batch
+    model = workload.model.to(device)
+    if num_workers > 1 and convert_batchnorm(model, group=None) and env.rank == 0:
+        print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
+    torch.manual_seed(mix_seed(config.seed, env.rank))  # dropout differs per rank, reproducibly
+
+    base_batch = workload.global_batch
+    lr = effective_lr(config.optim, global_batch, base_batch)
+    context = Context(
+        config=config, rank=env.rank, world_size=env.world_size,
+        worker_index=env.rank, num_workers=num_workers, device=device, worker_group=None,
+        make_updater=lambda params: Updater(params, config.optim, lr=lr),
+    )
+    if env.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.json", config.to_json() + "\n")
+    writer = MetricsWriter(out, env.rank)
+    progress = StepProgress(config.steps, enabled=env.rank == 0, log_every=config.log_every)
+    meta = {
+        "model": config.model, "preset": config.preset, "model_options": config.model_options,
+        "strategy": config.strategy, "workers": num_workers, "seed": config.seed,
+        "global_batch": global_batch, "optimizer": config.optim.name, "lr": lr,
+        "deterministic": config.deterministic,
+    }
+
+    def on_step(record: StepRecord) -> None:
+        writer.write(record)
+        progress.update(record)
+        done = record.step + 1
+        if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps:
+            _write_checkpoint(strategy, out, {**meta, "step": done})
+
+    with progress:
+        train(workload, strategy, context, global_batch=global_batch, on_step=on_step)
+    writer.close()
+    _write_checkpoint(strategy, out, {**meta, "step": config.steps})
+    if dist.is_initialized():
+        dist.barrier()  # every rank's metrics are on disk before rank 0 summarizes
+    if env.rank == 0:
+        summary = summarize(out, global_batch=global_batch, measure_warmup=config.measure_warmup,
+                            run_info={**meta, "steps": config.steps, "launcher": env.launcher,
+                                      "environment": environment(threads)})
+        print(f"[rank 0] {config.strategy}: {summary['throughput']['median']:,.1f} samples/s "
+              f"(median after {summary['throughput']['warmup_steps']} warm-up steps), "
+              f"final loss {summary['final_loss']:.4f}; results in {out}", flush=True)
+
+
+def _write_checkpoint(strategy: object, out: Path, meta: dict[str, object]) -> None:
+    state = strategy.checkpoint_state()  # type: ignore[attr-defined]
+    if state is not None:
+        model, optimizer = state
+        save_checkpoint(out / CHECKPOINT_FILE, model_state(model, optimizer), meta)
+
+
+def _device(config: TrainConfig, env: RankEnv) -> torch.device:
+    wanted = config.launch.device
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    if wanted != "cpu" and torch.cuda.is_available():
+        index = env.local_rank % torch.cuda.device_count()  # one GPU per rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of one rank started by gradsync's launcher."""
+    from gradsync.topology import detect_environment
+
+    config = TrainConfig.from_json(Path(argv[0]).read_text())
+    try:
+        env = detect_environment()
+        if env is None:
+            raise UserError("gradsync.runtime is started by the launcher; use gradsync train")
+        run_rank(config, env)
+    except UserError as error:
+        print(f"gradsync: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+__all__ = ["CHECKPOINT_FILE", "run_rank"]

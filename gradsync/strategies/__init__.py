@@ -1,0 +1,43 @@
+"""Strategy registry: one file per synchronization architecture, one line here each.
+
+Example:
+    >>> sorted(STRATEGIES)
+    ['allreduce', 'ddp', 'single']
+"""
+
+from __future__ import annotations
+
+from gradsync.config import TrainConfig
+from gradsync.errors import UserError
+from gradsync.strategies.allreduce import HorovodAllreduce
+from gradsync.strategies.base import Context, Strategy
+from gradsync.strategies.ddp import NativeDDP
+from gradsync.strategies.single import SingleProcess
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (SingleProcess, NativeDDP, HorovodAllreduce)
+}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The registered strategy called ``name``, or a UserError listing the choices."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise UserError(f"unknown strategy '{name}'; choose one of: {', '.join(STRATEGIES)}") from None
+
+
+def world_size_of(config: TrainConfig) -> int:
+    """Processes in the job: the workers plus any server ranks the strategy adds."""
+    return config.workers + strategy_class(config.strategy).num_server_ranks(config)
+
+
+def check_strategy(config: TrainConfig) -> None:
+    """Fail early on a strategy that cannot run in ``config``'s topology."""
+    strategy_class(config.strategy)
+    if config.strategy == "single" and config.workers != 1:
+        raise UserError(f"strategy 'single' runs one process on the whole global batch, but "
+                        f"--workers is {config.workers}; use --workers 1 or another strategy")
+
+
+__all__ = ["STRATEGIES", "Context", "Strategy", "check_strategy", "strategy_class", "world_size_of"]

@@ -1,0 +1,104 @@
+"""The strategy protocol: how gradients become the next step's parameters.
+
+A strategy is one file and one registry line. The trainer calls, in order::
+
+    module = strategy.setup(model, context)     # hooks, wrappers, initial broadcast
+    ... forward(module), loss.backward() ...
+    strategy.step()                             # finish communication, update parameters
+
+Server ranks (strategies that have them) call ``strategy.serve()`` instead of training.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.comm.counters import CommStats
+from gradsync.config import TrainConfig
+from gradsync.optim import Updater
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    """What a strategy needs to know about the job, built by the runtime.
+
+    ``worker_group`` is the process group of the worker ranks (None = the default group).
+    """
+
+    config: TrainConfig
+    rank: int
+    world_size: int
+    worker_index: int
+    num_workers: int
+    device: torch.device
+    worker_group: Any
+    make_updater: Callable[[Iterable[nn.Parameter]], Updater]
+
+
+class Strategy(ABC):
+    """Base class of every synchronization strategy.
+
+    ``synchronous`` strategies must reproduce ``single``'s parameters; ``verify`` holds them
+    to the tolerance. ``expected_difference`` explains, in one line, why a strategy may
+    legitimately differ (it is shown next to the verdict).
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    synchronous: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.counters = CommStats()
+        self.model: nn.Module | None = None
+        self.updater: Updater | None = None
+        self.context: Context | None = None
+
+    @abstractmethod
+    def setup(self, model: nn.Module, context: Context) -> nn.Module:
+        """Prepare ``model`` and return the module to run forward on."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """After backward: complete communication and update the parameters."""
+
+    def serve(self) -> None:
+        """Server ranks only: serve workers until they finish."""
+        raise NotImplementedError(f"strategy '{self.name}' has no server ranks")
+
+    def stats(self) -> CommStats:
+        """Cumulative bytes and exposed communication time of this rank."""
+        return self.counters.copy()
+
+    def expected_difference(self, config: TrainConfig) -> str | None:
+        """Why this configuration may differ from ``single`` beyond reduction order, or None."""
+        return None
+
+    @classmethod
+    def num_server_ranks(cls, config: TrainConfig) -> int:
+        """Extra ranks besides the workers that this strategy needs."""
+        return 0
+
+    def checkpoint_state(self) -> tuple[nn.Module, torch.optim.Optimizer] | None:
+        """The model and optimizer holding the authoritative state on this rank, or None.
+
+        Data-parallel strategies hold identical replicas, so only worker 0 answers.
+        """
+        if self.model is None or self.updater is None or self.context is None:
+            return None
+        if self.context.worker_index != 0:
+            return None
+        return self.model, self.updater.optimizer
+
+
+def broadcast_parameters(model: nn.Module, group: Any = None) -> None:
+    """Make every rank start from rank 0's parameters and buffers (Horovod's first step)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0, group=group)

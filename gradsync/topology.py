@@ -1,0 +1,182 @@
+"""Ranks, roles and launcher environments.
+
+gradsync runs under its own launcher (``gradsync train --workers N``), under ``torchrun``,
+under Slurm's ``srun`` or under ``mpirun`` (Open MPI or MPICH/Intel MPI). Each of those
+publishes the rank layout in environment variables; :func:`detect_environment` reads them
+into one :class:`RankEnv`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gradsync.errors import UserError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """Where this process sits in the job.
+
+    Example:
+        >>> env = detect_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...     "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h0", "MASTER_PORT": "29500"})
+        >>> (env.launcher, env.rank, env.world_size, env.node_rank)
+        ('torchrun', 1, 2, 0)
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.local_world_size)
+
+
+def detect_environment(
+    env: Mapping[str, str] | None = None,
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> RankEnv | None:
+    """The launcher environment this process runs in, or None when started by hand.
+
+    ``master_addr``/``master_port`` (from the command line) win over the environment.
+    """
+    env = os.environ if env is None else env
+    for reader in (_from_torchrun, _from_slurm, _from_open_mpi, _from_mpich):
+        found = reader(env, master_addr, master_port)
+        if found is not None:
+            return found
+    return None
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise UserError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def _from_torchrun(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
+    if not {"RANK", "WORLD_SIZE"} <= env.keys():
+        return None
+    world_size = _int(env, "WORLD_SIZE")
+    return RankEnv(
+        launcher=env.get("GRADSYNC_LAUNCHER", "torchrun"),
+        rank=_int(env, "RANK"),
+        world_size=world_size,
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+        master_addr=addr or env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=port or int(env.get("MASTER_PORT", DEFAULT_PORT)),
+    )
+
+
+def _from_slurm(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
+    # SLURM_STEP_NUM_TASKS is set inside an srun step, not in the sbatch script itself.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return None
+    world_size = _int(env, "SLURM_STEP_NUM_TASKS")
+    tasks_per_node = parse_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world_size)))
+    node_list = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+    job_id = int(env.get("SLURM_JOB_ID", "0"))
+    return RankEnv(
+        launcher="slurm",
+        rank=_int(env, "SLURM_PROCID"),
+        world_size=world_size,
+        local_rank=int(env.get("SLURM_LOCALID", "0")),
+        local_world_size=tasks_per_node[0],
+        master_addr=addr or env.get("MASTER_ADDR") or expand_nodelist(node_list)[0],
+        # Every task must agree on the port without talking: derive it from the job id.
+        master_port=port or int(env.get("MASTER_PORT", DEFAULT_PORT + job_id % 1000)),
+    )
+
+
+def _from_open_mpi(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
+    if "OMPI_COMM_WORLD_RANK" not in env:
+        return None
+    return _mpi_env(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", addr, port)
+
+
+def _from_mpich(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
+    if "PMI_RANK" not in env:
+        return None
+    return _mpi_env(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", addr, port)
+
+
+def _mpi_env(env: Mapping[str, str], rank_key: str, size_key: str, local_rank_key: str,
+             local_size_key: str, addr: str | None, port: int | None) -> RankEnv:
+    world_size = _int(env, size_key)
+    local_world_size = int(env.get(local_size_key, world_size))
+    master_addr = addr or env.get("MASTER_ADDR")
+    if master_addr is None:
+        if local_world_size != world_size:
+            raise UserError("under mpirun across several nodes gradsync needs the rendezvous "
+                            "host: pass --master-addr HOST (or export MASTER_ADDR)")
+        master_addr = "127.0.0.1"
+    return RankEnv(
+        launcher="mpirun",
+        rank=_int(env, rank_key),
+        world_size=world_size,
+        local_rank=int(env.get(local_rank_key, env[rank_key])),
+        local_world_size=local_world_size,
+        master_addr=master_addr,
+        master_port=port or int(env.get("MASTER_PORT", DEFAULT_PORT)),
+    )
+
+
+def parse_tasks_per_node(text: str) -> list[int]:
+    """Slurm's compressed tasks-per-node list.
+
+    Example:
+        >>> parse_tasks_per_node("2(x3),1")
+        [2, 2, 2, 1]
+    """
+    counts: list[int] = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if match is None:
+            raise UserError(f"cannot parse Slurm tasks-per-node list {text!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm's compressed host list.
+
+    Example:
+        >>> expand_nodelist("gpu[01-03,07],login1")
+        ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']
+    """
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", text):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            width = len(low)
+            for number in range(int(low), int(high or low) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}")
+    return hosts
+
+
+def default_threads(local_world_size: int) -> int:
+    """Intra-op threads per rank so local ranks do not oversubscribe the CPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world_size))
