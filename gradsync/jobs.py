@@ -16,7 +16,7 @@ LOG_FILE = "stdout.log"
 
 def validate(config: TrainConfig) -> None:
     """Every check that can fail before any process starts (UserError on failure)."""
-    check_model(config.model)
+    check_model(config.model, config.preset, config.model_options)
     check_strategy(config)
 
 

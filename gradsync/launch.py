@@ -135,7 +135,8 @@ def _start_reader(process: RankProcess, *, echo: bool) -> RankProcess:
         for raw in process.popen.stderr:
             line = raw.decode(errors="replace").rstrip("\n")
             process.tail.append(line)
-            if echo:
+            # A rank's user error is reported once, by the launcher's caller.
+            if echo and not line.startswith(USER_ERROR_PREFIX):
                 print(f"[rank {process.rank}] {line}", file=sys.stderr, flush=True)
 
     process.reader = threading.Thread(target=pump, daemon=True)

@@ -2,9 +2,15 @@
 
 Tolerances (max |Δ| over every parameter and buffer): synchronous strategies differ from
 ``single`` only by floating-point reduction order (sums of shard gradients instead of one
-sum), which stays ≤ 1e-5 with SGD after 20 steps. Adam divides by √v, which magnifies
-rounding differences in parameters whose gradients are near zero, so its tolerance is
-looser; the figure below was measured on the tiny presets.
+sum). With SGD that stays ≤ 1e-5 after 20 steps (measured ≤ 6e-7 on the tiny presets).
+
+Adam is different: it divides each gradient by its running RMS, so a parameter whose exact
+gradient is zero moves by up to ``lr`` per step on rounding noise alone. The attention key
+biases of the transformer are such parameters (softmax cancels them): their gradients are
+±1e-10 noise, and after 20 steps at lr 1e-3 they differ by 9.6e-4 between ``single`` and
+``allreduce``. The Adam tolerance is therefore a quarter of the largest possible noise drift,
+``0.25 · lr · steps`` (5e-3 for 20 steps at 1e-3), while every other parameter still agrees
+to ~1e-7.
 """
 
 from __future__ import annotations
@@ -25,7 +31,21 @@ from gradsync.stats import Throughput
 from gradsync.strategies import strategy_class
 from gradsync.tables import markdown_table, print_table
 
-TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
+SGD_TOLERANCE = 1e-5
+ADAM_NOISE_FRACTION = 0.25
+
+
+def tolerance_for(config: TrainConfig) -> float:
+    """Max |Δparam| allowed for a synchronous strategy against single (see module docstring).
+
+    Example:
+        >>> from gradsync.config import OptimConfig
+        >>> tolerance_for(TrainConfig(steps=20, optim=OptimConfig(name="adam", lr=1e-3)))
+        0.005
+    """
+    if config.optim.name == "adam":
+        return round(ADAM_NOISE_FRACTION * config.optim.base_lr() * config.steps, 12)
+    return SGD_TOLERANCE
 REFERENCE = "single"
 
 
@@ -62,7 +82,7 @@ def run_matrix(base: TrainConfig, strategies: Sequence[str], workers: Sequence[i
     configs = [base.replace(strategy=s, workers=w, out=str(out / f"{s}-w{w}")) for s, w in cells]
     for config in configs:
         validate(config)  # every cell is checked before the first one runs
-    tolerance = TOLERANCE[base.optim.name]
+    tolerance = tolerance_for(base)
     outcomes: list[Outcome] = []
     reference = None
     for config in configs:
@@ -89,7 +109,7 @@ def _verdict(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[str
     strategy = strategy_class(config.strategy)
     expected = strategy().expected_difference(config)
     if max_abs <= tolerance:
-        return "match", "equal up to floating-point reduction order"
+        return "match", "reduction order only"
     if expected is not None or not strategy.synchronous:
         return "differs (expected)", expected or "asynchronous updates"
     return "FAIL", "a synchronous strategy must match single"

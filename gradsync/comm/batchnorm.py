@@ -3,7 +3,7 @@
 torch's ``nn.SyncBatchNorm`` runs on GPUs only. This module gives every strategy that splits
 a global batch over workers the same statistics the single-process reference computes over
 the whole batch (Ioffe & Szegedy 2015), so BatchNorm models stay verifiable. Forward
-allreduces per-channel (sum, sum of squares, count); backward allreduces (Σ dy, Σ dy·x̂).
+all-gathers per-channel (count, mean, M2); backward allreduces (Σ dy, Σ dy·x̂).
 """
 
 from __future__ import annotations
@@ -16,25 +16,43 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
+def _combine_moments(local: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Global (mean, biased variance, count) from every rank's (count, mean, M2) rows.
+
+    Chan et al.'s pairwise formula in float64: no E[x²]−E[x]² cancellation, so the result
+    matches a single-process BatchNorm over the whole batch to rounding.
+    """
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    counts, means, m2s = torch.stack(gathered).unbind(1)
+    total = counts.sum(0)
+    mean = (counts * means).sum(0) / total
+    m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+    return mean, m2 / total, total[0]
+
+
 class _GlobalBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, eps: float, group: Any
     ) -> tuple[Tensor, Tensor, Tensor]:
         dims = [0, *range(2, x.dim())]
-        count = torch.tensor([x.numel() // x.shape[1]], dtype=x.dtype, device=x.device)
-        stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        dist.all_reduce(stats, group=group)
         channels = x.shape[1]
-        total = stats[-1]
-        mean = stats[:channels] / total
-        var = (stats[channels : 2 * channels] / total - mean * mean).clamp_min(0)
+        local_mean = x.mean(dims)
+        local_m2 = ((x - local_mean.view(1, channels, *[1] * (x.dim() - 2))) ** 2).sum(dims)
+        count = torch.full((channels,), x.numel() // channels, dtype=torch.float64,
+                           device=x.device)
+        mean, var, total = _combine_moments(
+            torch.stack([count, local_mean.double(), local_m2.double()]), group)
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
         invstd = torch.rsqrt(var + eps)
         shape = [1, channels] + [1] * (x.dim() - 2)
         x_hat = (x - mean.view(shape)) * invstd.view(shape)
-        ctx.save_for_backward(x_hat, weight, invstd, total)
+        ctx.save_for_backward(x_hat, weight, invstd, total.to(x.dtype))
         ctx.group = group
-        return x_hat * weight.view(shape) + bias.view(shape), mean, var * total / (total - 1)
+        unbiased = (var.double() * total / (total - 1)).to(x.dtype)
+        ctx.mark_non_differentiable(mean, unbiased)
+        return x_hat * weight.view(shape) + bias.view(shape), mean, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]

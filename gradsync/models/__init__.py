@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from gradsync.errors import UserError
 from gradsync.models import lstm_lm, mnist_cnn, resnet, transformer, vgg
-from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset
+from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
 from gradsync.models.user import build_user_workload, is_user_model
 
 DEFAULT_MODEL = "transformer"
@@ -35,12 +35,15 @@ def model_spec(name: str) -> ModelSpec:
         ) from None
 
 
-def check_model(name: str) -> None:
-    """Fail early (UserError) when ``name`` is neither registered nor a loadable user model."""
+def check_model(name: str, preset: str = "default", options: Mapping[str, str] | None = None) -> None:
+    """Fail early (UserError) on an unknown model, preset or model option."""
+    request = BuildRequest(preset=preset, options=dict(options or {}))
     if is_user_model(name):
-        build_user_workload(name, BuildRequest(), load_only=True)
+        build_user_workload(name, request, load_only=True)
     else:
-        model_spec(name)
+        spec = model_spec(name)
+        check_preset(preset, name)
+        parse_options(spec.options, request.options, name)
 
 
 def build_workload(

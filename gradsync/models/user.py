@@ -63,8 +63,6 @@ def _load_function(name: str) -> Callable[..., Any]:
 def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = False) -> Workload:
     """Import and call the user's build function; adapt its result into a Workload."""
     build = _load_function(name)
-    if load_only:
-        return None  # type: ignore[return-value]
     available = {
         "preset": request.preset,
         "seed": request.seed,
@@ -79,6 +77,8 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
         raise UserError(f"user model {name} takes no option {', '.join(unknown)}; its parameters: "
                         f"{', '.join(parameters)}")
     kwargs = {k: v for k, v in available.items() if takes_any or k in parameters}
+    if load_only:
+        return None  # type: ignore[return-value]
     result = build(**kwargs)
     if isinstance(result, Workload):
         return result

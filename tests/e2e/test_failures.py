@@ -1,0 +1,121 @@
+"""Failure contract (DESIGN.md §5): no hangs, named ranks, one-line user errors, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import gradsync
+
+
+def _wait_for(predicate, timeout: float) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+def test_sigkilled_rank_ends_the_job_naming_it(workdir: Path) -> None:
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gradsync", "train", "--model", "lstm-lm", "--preset", "tiny",
+         "--strategy", "allreduce", "--workers", "2", "--steps", "100000", "--out", "run"],
+        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = workdir / "run" / "metrics" / "rank1.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, timeout=60)
+        pids = json.loads((workdir / "run" / "ranks-node0.json").read_text())
+        killed_at = time.monotonic()
+        os.kill(pids["1"], signal.SIGKILL)
+        _, stderr = job.communicate(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode not in (0, None)
+    assert elapsed < 30
+    assert "rank 1" in stderr and "SIGKILL" in stderr, stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids["0"], 0)  # the surviving rank was torn down too
+
+
+BAD_INPUTS = {
+    "unknown model": (["train", "--model", "resnet", "--steps", "1"], "unknown model 'resnet'"),
+    "unknown strategy": (["train", "--strategy", "gossip", "--steps", "1"],
+                         "unknown strategy 'gossip'"),
+    "indivisible batch": (["train", "--model", "mnist-cnn", "--workers", "3", "--global-batch",
+                           "8", "--steps", "1"], "does not divide by --workers 3"),
+    "missing data": (["train", "--model", "mnist-cnn", "--data", "no/such/dir", "--steps", "1"],
+                     "no/such/dir does not exist"),
+    "unknown preset": (["train", "--model", "vgg16", "--preset", "huge"], "unknown preset"),
+    "bad model option": (["train", "--model", "lstm-lm", "--model-option", "sparse=maybe"],
+                         "sparse"),
+    "single with workers": (["train", "--strategy", "single", "--workers", "2"],
+                            "--workers 1"),
+    "bad flag": (["train", "--workers", "zero"], "not an integer"),
+    "unknown optimizer": (["train", "--optimizer", "lamb"], "unknown optimizer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2(case: str, workdir: Path) -> None:
+    args, message = BAD_INPUTS[case]
+    result = gradsync(*args, "--out", "run", cwd=workdir, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gradsync: error: ") and message in lines[0], lines[0]
+
+
+def test_port_in_use_is_a_user_error(workdir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--workers", "2",
+                          "--master-port", str(port), "--steps", "1", "--out", "run",
+                          cwd=workdir, timeout=60)
+    assert result.returncode == 2
+    assert f"--master-port {port}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_corrupt_checkpoint_is_a_user_error(workdir: Path) -> None:
+    good = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--strategy", "single",
+                    "--steps", "1", "--out", "good", cwd=workdir)
+    assert good.returncode == 0, good.stderr
+    corrupt = workdir / "corrupt.safetensors"
+    corrupt.write_bytes((workdir / "good" / "checkpoint.safetensors").read_bytes()[:100])
+    result = gradsync("compare", "good", str(corrupt), cwd=workdir, timeout=60)
+    assert result.returncode == 2
+    assert "corrupt" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_compare_of_different_models_is_a_user_error(workdir: Path) -> None:
+    for model in ("mnist-cnn", "resnet56"):
+        run = gradsync("train", "--model", model, "--preset", "tiny", "--strategy", "single",
+                       "--steps", "1", "--out", model, cwd=workdir)
+        assert run.returncode == 0, run.stderr
+    result = gradsync("compare", "mnist-cnn", "resnet56", cwd=workdir, timeout=60)
+    assert result.returncode == 2
+    assert "different models" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_failing_rank_user_error_reaches_the_launcher_as_exit_2(workdir: Path) -> None:
+    """An error only a rank can see (a malformed data file) is still one line and exit 2."""
+    data = workdir / "mnist"
+    data.mkdir()
+    (data / "train-images-idx3-ubyte").write_bytes(b"not an idx file")
+    (data / "train-labels-idx1-ubyte").write_bytes(b"nor this")
+    result = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--workers", "2",
+                      "--data", str(data), "--steps", "1", "--out", "run", cwd=workdir)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("gradsync: error:") == 1, result.stderr
