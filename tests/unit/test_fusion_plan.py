@@ -1,0 +1,135 @@
+"""Fusion bucket planning and the ring byte model (no processes; see tests/dist for the rest)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gradsync.comm.counters import CommStats, ring_allreduce_bytes
+from gradsync.comm.fusion import FusedAllreduce, plan_buckets
+
+
+def _params(*sizes: int, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+
+
+def test_reverse_order_up_to_the_threshold():
+    params = _params(10, 10, 10)  # 40 bytes each
+    assert plan_buckets(params, threshold_bytes=80) == [[2, 1], [0]]
+    assert plan_buckets(params, threshold_bytes=79) == [[2], [1], [0]]
+    assert plan_buckets(params, threshold_bytes=120) == [[2, 1, 0]]
+
+
+def test_threshold_zero_gives_one_bucket_per_parameter():
+    assert plan_buckets(_params(1, 5, 3, 7), threshold_bytes=0) == [[3], [2], [1], [0]]
+
+
+def test_large_threshold_gives_one_bucket():
+    assert plan_buckets(_params(*range(1, 20)), threshold_bytes=64 << 20) == [
+        list(range(18, -1, -1))
+    ]
+
+
+def test_parameter_larger_than_the_threshold_travels_alone():
+    assert plan_buckets(_params(2, 100, 2, 2), threshold_bytes=16) == [[3, 2], [1], [0]]
+
+
+def test_bytes_not_elements_count():
+    doubles = _params(4, 4, 4, dtype=torch.float64)  # 32 bytes each
+    halves = _params(4, 4, 4, dtype=torch.float16)  # 8 bytes each
+    assert plan_buckets(doubles, threshold_bytes=48) == [[2], [1], [0]]
+    assert plan_buckets(halves, threshold_bytes=48) == [[2, 1, 0]]
+    assert plan_buckets(_params(2, 3, dtype=torch.float32), threshold_bytes=12) == [[1], [0]]
+
+
+def test_multi_dimensional_parameters_count_all_elements():
+    params = [nn.Parameter(torch.zeros(3, 4)), nn.Parameter(torch.zeros(2, 2, 2))]  # 48, 32 B
+    assert plan_buckets(params, threshold_bytes=80) == [[1, 0]]
+    assert plan_buckets(params, threshold_bytes=79) == [[1], [0]]
+
+
+def test_no_parameters_no_buckets():
+    assert plan_buckets([], threshold_bytes=100) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=25), st.integers(0, 1024))
+def test_plan_properties(sizes, threshold):
+    tensors = [torch.empty(n) for n in sizes]
+    buckets = plan_buckets(tensors, threshold_bytes=threshold)
+    nbytes = [4 * n for n in sizes]
+    # every parameter exactly once, in reverse order (the order backward produces them)
+    assert [i for bucket in buckets for i in bucket] == list(reversed(range(len(sizes))))
+    for bucket in buckets:
+        assert bucket
+        total = sum(nbytes[i] for i in bucket)
+        assert total <= threshold or len(bucket) == 1
+    # greedy: a bucket is closed only when the next parameter would not fit
+    for current, following in itertools.pairwise(buckets):
+        assert sum(nbytes[i] for i in current) + nbytes[following[0]] > threshold
+
+
+# ---------------------------------------------------------------- buffers, without collectives
+
+
+def test_fused_allreduce_lays_out_buffers_by_plan():
+    params = _params(3, 5, 2, 4)
+    fused = FusedAllreduce(params, threshold_bytes=28, group=None, world_size=2, stats=CommStats())
+    plan = plan_buckets(params, threshold_bytes=28)
+    assert plan == [[3, 2], [1], [0]]
+    assert [[id(p) for p in b.params] for b in fused.buckets] == [
+        [id(params[i]) for i in indices] for indices in plan
+    ]
+    assert [b.offsets for b in fused.buckets] == [[0, 4], [0], [0]]
+    assert [b.buffer.numel() for b in fused.buckets] == [6, 5, 3]
+    assert all(b.buffer.dtype == torch.float32 for b in fused.buckets)
+    assert [b.pending for b in fused.buckets] == [2, 1, 1]
+
+
+def test_fp16_compression_uses_half_precision_buffers():
+    fused = FusedAllreduce(
+        _params(8, 8),
+        threshold_bytes=1 << 20,
+        group=None,
+        world_size=4,
+        stats=CommStats(),
+        fp16=True,
+    )
+    assert [b.buffer.dtype for b in fused.buckets] == [torch.float16]
+    assert fused.buckets[0].buffer.numel() == 16
+
+
+# ---------------------------------------------------------------- ring byte model
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "world_size", "expected"),
+    [
+        (1000, 1, 0),
+        (1000, 2, 1000),
+        (1000, 4, 1500),
+        (1000, 8, 1750),
+        (1000, 3, 1333),
+        (0, 4, 0),
+        (7, 2, 7),
+    ],
+)
+def test_ring_allreduce_bytes(num_bytes, world_size, expected):
+    assert ring_allreduce_bytes(num_bytes, world_size) == expected
+
+
+def test_comm_stats_accumulate_and_copy_is_independent():
+    stats = CommStats()
+    stats.add_allreduce(400, 4)
+    stats.add_allreduce(100, 2)
+    assert (stats.bytes_sent, stats.bytes_recv) == (700, 700)
+    snapshot = stats.copy()
+    stats.add_allreduce(1000, 2)
+    stats.exposed_comm_s += 1.5
+    assert (snapshot.bytes_sent, snapshot.exposed_comm_s) == (700, 0.0)
+    assert (stats.bytes_sent, stats.exposed_comm_s) == (1700, 1.5)

@@ -1,0 +1,307 @@
+"""User models (``FILE.py:fn`` / ``pkg.mod:fn``) and map-style datasets as global batches."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync.data.base import Batch
+from gradsync.errors import UserError
+from gradsync.models import build_workload, check_model
+from gradsync.models.base import BuildRequest, Workload
+from gradsync.models.user import (
+    DEFAULT_USER_GLOBAL_BATCH,
+    MapStyleSamples,
+    build_user_workload,
+    is_user_model,
+)
+
+NUM_ITEMS = 10
+
+
+def _items(n: int = NUM_ITEMS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.tensor([float(i), -float(i)]), torch.tensor(i)) for i in range(n)]
+
+
+def _targets(samples: MapStyleSamples, *, step: int, size: int, start: int, stop: int) -> list:
+    return samples.batch(step=step, size=size, start=start, stop=stop).targets.tolist()
+
+
+def _concat(lists) -> list:
+    return [item for part in lists for item in part]
+
+
+# ---------------------------------------------------------------- MapStyleSamples
+
+
+def test_batch_collates_inputs_and_targets():
+    batch = MapStyleSamples(_items(), seed=0).batch(step=0, size=4, start=0, stop=4)
+    assert isinstance(batch, Batch) and len(batch) == 4
+    assert len(batch.inputs) == 1 and batch.inputs[0].shape == (4, 2)
+    assert torch.equal(batch.inputs[0][:, 0].long(), batch.targets)  # items stay paired
+    assert torch.equal(batch.inputs[0][:, 1], -batch.inputs[0][:, 0])
+
+
+def test_shards_concatenate_to_the_global_batch():
+    samples = MapStyleSamples(_items(), seed=5)
+    whole = _targets(samples, step=3, size=6, start=0, stop=6)
+    halves = [_targets(samples, step=3, size=6, start=a, stop=a + 3) for a in (0, 3)]
+    thirds = [_targets(samples, step=3, size=6, start=a, stop=a + 2) for a in (0, 2, 4)]
+    assert _concat(halves) == _concat(thirds) == whole
+
+
+def test_each_epoch_is_a_permutation_and_epochs_differ():
+    samples = MapStyleSamples(_items(), seed=1)
+    epoch0 = _concat(_targets(samples, step=s, size=2, start=0, stop=2) for s in range(5))
+    epoch1 = _concat(_targets(samples, step=s, size=2, start=0, stop=2) for s in range(5, 10))
+    assert sorted(epoch0) == sorted(epoch1) == list(range(NUM_ITEMS))
+    assert epoch0 != epoch1
+    assert epoch0 != list(range(NUM_ITEMS))  # shuffled
+
+
+def test_a_batch_crossing_an_epoch_boundary_continues_in_the_next_permutation():
+    samples = MapStyleSamples(_items(), seed=2)
+    epoch0 = _targets(samples, step=0, size=10, start=0, stop=10)
+    epoch1 = _targets(samples, step=1, size=10, start=0, stop=10)
+    # global batch 4, step 2: positions 8..11 → epoch 0 [8, 9], epoch 1 [0, 1]
+    assert _targets(samples, step=2, size=4, start=0, stop=4) == epoch0[8:] + epoch1[:2]
+
+
+def test_same_seed_same_batches_other_seed_other_batches():
+    one = _targets(MapStyleSamples(_items(), seed=7), step=4, size=8, start=0, stop=8)
+    again = _targets(MapStyleSamples(_items(), seed=7), step=4, size=8, start=0, stop=8)
+    other = _targets(MapStyleSamples(_items(), seed=8), step=4, size=8, start=0, stop=8)
+    assert one == again
+    assert one != other
+
+
+def test_multi_input_items_become_several_inputs():
+    items = [((torch.full((3,), float(i)), torch.tensor(i * 2)), torch.tensor(i)) for i in range(6)]
+    batch = MapStyleSamples(items, seed=0).batch(step=0, size=3, start=0, stop=3)
+    assert len(batch.inputs) == 2
+    assert batch.inputs[0].shape == (3, 3) and batch.inputs[1].shape == (3,)
+    assert torch.equal(batch.inputs[1], batch.targets * 2)
+
+
+def test_torch_tensor_dataset_works():
+    dataset = torch.utils.data.TensorDataset(torch.arange(8.0).view(8, 1), torch.arange(8))
+    batch = MapStyleSamples(dataset, seed=0).batch(step=0, size=8, start=0, stop=8)
+    assert sorted(batch.targets.tolist()) == list(range(8))
+    assert torch.equal(batch.inputs[0].view(-1).long(), batch.targets)
+
+
+@pytest.mark.parametrize("dataset", [object(), (i for i in range(3)), 42])
+def test_not_a_map_style_dataset_is_a_user_error(dataset):
+    with pytest.raises(UserError, match="map-style dataset with __len__ and __getitem__"):
+        MapStyleSamples(dataset, seed=0)
+
+
+def test_empty_dataset_is_a_user_error():
+    with pytest.raises(UserError, match="holds no samples"):
+        MapStyleSamples([], seed=0)
+
+
+# ---------------------------------------------------------------- loading user models
+
+
+def _write(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+MODEL_FILE = """
+    import torch
+    from torch import nn
+
+    CALLS = []
+
+    def loss(output, targets):
+        return nn.functional.cross_entropy(output, targets)
+
+    def build(preset, seed, width="1"):
+        CALLS.append((preset, seed, width))
+        items = [(torch.randn(4), torch.tensor(i % 3)) for i in range(12)]
+        return nn.Linear(4, 3 * int(width)), items, loss
+
+    def build_any(**kwargs):
+        raise RuntimeError(f"got {sorted(kwargs.items())}")
+
+    def build_workload(seed):
+        from gradsync.models.base import Workload
+        from gradsync.models.user import MapStyleSamples
+        items = [(torch.zeros(2), torch.tensor(0))] * 4
+        return Workload(model=nn.Linear(2, 2), dataset=MapStyleSamples(items, seed=seed),
+                        loss=loss, global_batch=4, description="mine")
+
+    def build_list():
+        return [1, 2, 3]
+
+    def build_pair():
+        return nn.Linear(1, 1), []
+
+    class Synthetic:
+        def batch(self, *, step, size, start, stop):
+            raise AssertionError("not called here")
+
+    def build_native():
+        return nn.Linear(1, 1), Synthetic(), loss
+
+    def explode():
+        raise AssertionError("load_only must not call build")
+
+    NOT_A_FUNCTION = 3
+"""
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    return _write(tmp_path, "mymodel.py", MODEL_FILE)
+
+
+def test_is_user_model():
+    assert is_user_model("examples/user_model.py:build")
+    assert is_user_model("pkg.mod:build")
+    assert not is_user_model("resnet56")
+
+
+def test_file_model_with_a_tuple_becomes_a_workload(model_file):
+    name = f"{model_file}:build"
+    workload = build_user_workload(
+        name, BuildRequest(preset="tiny", seed=4, options={"width": "2"})
+    )
+    assert isinstance(workload, Workload)
+    assert isinstance(workload.model, nn.Linear) and workload.model.out_features == 6
+    assert isinstance(workload.dataset, MapStyleSamples) and workload.dataset.seed == 4
+    assert workload.global_batch == DEFAULT_USER_GLOBAL_BATCH == 32
+    assert workload.description == name
+    batch = workload.dataset.batch(step=0, size=4, start=0, stop=4)
+    assert workload.loss(workload.model(*batch.inputs)[:, :3], batch.targets).dim() == 0
+
+
+def test_only_declared_keywords_are_passed_and_options_stay_strings(model_file):
+    import sys
+
+    build_user_workload(
+        f"{model_file}:build", BuildRequest(preset="paper", seed=9, options={"width": "3"})
+    )
+    module = sys.modules["gradsync_user_mymodel"]
+    assert module.CALLS == [("paper", 9, "3")]
+
+
+def test_var_keyword_build_gets_everything(model_file):
+    request = BuildRequest(
+        preset="tiny", seed=1, data=None, dropout=False, options={"sparse": "true"}
+    )
+    with pytest.raises(RuntimeError) as raised:
+        build_user_workload(f"{model_file}:build_any", request)
+    assert str(raised.value) == (
+        "got [('data', None), ('dropout', False), ('preset', 'tiny'), "
+        "('seed', 1), ('sparse', 'true')]"
+    )
+
+
+def test_unknown_option_is_a_user_error_listing_the_parameters(model_file):
+    with pytest.raises(
+        UserError, match="takes no option depth; its parameters: preset, seed, width"
+    ):
+        build_user_workload(f"{model_file}:build", BuildRequest(options={"depth": "4"}))
+
+
+def test_a_workload_is_returned_as_is(model_file):
+    workload = build_user_workload(f"{model_file}:build_workload", BuildRequest(seed=3))
+    assert (workload.global_batch, workload.description) == (4, "mine")
+
+
+def test_a_gradsync_dataset_is_not_wrapped(model_file):
+    workload = build_user_workload(f"{model_file}:build_native", BuildRequest())
+    assert type(workload.dataset).__name__ == "Synthetic"
+
+
+@pytest.mark.parametrize(
+    ("function", "got"), [("build_list", "got list"), ("build_pair", "got tuple")]
+)
+def test_wrong_return_value_is_a_user_error(model_file, function, got):
+    with pytest.raises(
+        UserError, match=f"must return a Workload or \\(model, dataset, loss\\), {got}"
+    ):
+        build_user_workload(f"{model_file}:{function}", BuildRequest())
+
+
+def test_load_only_imports_without_building(model_file):
+    assert build_user_workload(f"{model_file}:explode", BuildRequest(), load_only=True) is None
+
+
+def test_missing_file_is_a_user_error(tmp_path):
+    with pytest.raises(
+        UserError,
+        match=r"user model file .*absent\.py does not exist; pass "
+        r"--model FILE\.py:FUNCTION",
+    ):
+        build_user_workload(f"{tmp_path / 'absent.py'}:build", BuildRequest())
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        ("raise RuntimeError('no GPU here')\n", "RuntimeError('no GPU here')"),
+        ("def build(:\n", "SyntaxError"),
+        ("import a_module_that_does_not_exist_4711\n", "a_module_that_does_not_exist_4711"),
+    ],
+)
+def test_file_that_fails_to_import_is_a_user_error(tmp_path, body, shown):
+    path = _write(tmp_path, "broken.py", body)
+    with pytest.raises(UserError, match="failed to import") as raised:
+        build_user_workload(f"{path}:build", BuildRequest())
+    assert shown in str(raised.value) and str(path) in str(raised.value)
+
+
+@pytest.mark.parametrize("function", ["nope", "NOT_A_FUNCTION", ""])
+def test_missing_or_non_callable_function_is_a_user_error(model_file, function):
+    with pytest.raises(UserError, match=f"'{function}' is not a function in .*mymodel.py"):
+        build_user_workload(f"{model_file}:{function}", BuildRequest())
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    name = f"usermodels_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text("")
+    _write(tmp_path / name, "good.py", MODEL_FILE)
+    _write(tmp_path / name, "raising.py", "raise RuntimeError('no GPU here')\n")
+    _write(tmp_path / name, "syntax.py", "def build(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_module_path_model(package):
+    workload = build_user_workload(f"{package}.good:build", BuildRequest(seed=2))
+    assert isinstance(workload.dataset, MapStyleSamples)
+
+
+def test_missing_module_is_a_user_error(package):
+    with pytest.raises(UserError, match=f"cannot import user model module '{package}.absent'"):
+        build_user_workload(f"{package}.absent:build", BuildRequest())
+
+
+@pytest.mark.xfail(
+    reason="BUG: for pkg.mod:fn only ImportError is caught, so a module that raises anything "
+    "else while importing (or has a syntax error) escapes as a traceback instead of a UserError",
+    strict=True,
+)
+@pytest.mark.parametrize("module", ["raising", "syntax"])
+def test_module_that_fails_to_import_is_a_user_error(package, module):
+    with pytest.raises(UserError, match=f"{package}.{module}"):
+        build_user_workload(f"{package}.{module}:build", BuildRequest())
+
+
+def test_registry_front_door_handles_user_models(model_file, tmp_path):
+    workload = build_workload(f"{model_file}:build", preset="tiny", seed=1, options={"width": "1"})
+    assert workload.model.out_features == 3
+    check_model(f"{model_file}:build")  # loads fine
+    with pytest.raises(UserError, match="does not exist"):
+        check_model(f"{tmp_path / 'gone.py'}:build")
