@@ -37,12 +37,21 @@ class LeNet5(nn.Module):
     def __init__(self, width: int = 1, dropout: float = 0.0) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 6 * width, 5, padding=2), nn.Tanh(), nn.AvgPool2d(2),
-            nn.Conv2d(6 * width, 16 * width, 5), nn.Tanh(), nn.AvgPool2d(2),
+            nn.Conv2d(1, 6 * width, 5, padding=2),
+            nn.Tanh(),
+            nn.AvgPool2d(2),
+            nn.Conv2d(6 * width, 16 * width, 5),
+            nn.Tanh(),
+            nn.AvgPool2d(2),
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(16 * width * 25, 120), nn.Tanh(), nn.Dropout(dropout),
-            nn.Linear(120, 84), nn.Tanh(), nn.Linear(84, 10),
+            nn.Flatten(),
+            nn.Linear(16 * width * 25, 120),
+            nn.Tanh(),
+            nn.Dropout(dropout),
+            nn.Linear(120, 84),
+            nn.Tanh(),
+            nn.Linear(84, 10),
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ from gradsync import __version__
 from gradsync.errors import UserError
 
 PARAM, BUFFER, OPTIM = "param/", "buffer/", "optim/"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,11 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
 
 
 def versions() -> dict[str, str]:
-    return {"gradsync": __version__, "torch": torch.__version__,
-            "python": platform.python_version()}
+    return {
+        "gradsync": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def atomic_write_bytes(path: Path, write: Any) -> None:
@@ -71,6 +76,7 @@ def atomic_write_bytes(path: Path, write: Any) -> None:
         write(Path(tmp))
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; results are for everyone
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -108,8 +114,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_dir():
         path = path / "checkpoint.safetensors"
     if not path.is_file():
-        raise UserError(f"no checkpoint at {path}; pass a .safetensors file written by gradsync "
-                        "or its run folder")
+        raise UserError(
+            f"no checkpoint at {path}; pass a .safetensors file written by gradsync "
+            "or its run folder"
+        )
     try:
         tensors = load_file(str(path))
         from safetensors import safe_open
@@ -117,13 +125,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         with safe_open(str(path), framework="pt") as handle:
             header = (handle.metadata() or {}).get("gradsync")
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise UserError(f"checkpoint {path} is corrupt or not a safetensors file ({error}); "
-                        "rerun the job that wrote it") from None
+        raise UserError(
+            f"checkpoint {path} is corrupt or not a safetensors file ({error}); "
+            "rerun the job that wrote it"
+        ) from None
     sidecar = sidecar_path(path)
     try:
-        text = sidecar.read_text() if sidecar.is_file() else header
+        # The header was written with the tensors, so it wins over a possibly stale sidecar.
+        text = header or (sidecar.read_text() if sidecar.is_file() else None)
         meta = json.loads(text) if text else {}
     except (json.JSONDecodeError, OSError) as error:
-        raise UserError(f"checkpoint sidecar {sidecar} is corrupt ({error}); delete it to fall "
-                        "back on the metadata inside the safetensors file") from None
+        raise UserError(
+            f"checkpoint metadata of {path} is corrupt ({error}); rerun the job that wrote it"
+        ) from None
     return Checkpoint(path=path, tensors=tensors, meta=meta)

@@ -34,7 +34,10 @@ def _positive_int(text: str) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",") if part.strip()]
+    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no worker counts (e.g. 2,4)")
+    return values
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -46,15 +49,27 @@ def _key_value(text: str) -> tuple[str, str]:
 
 def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -> None:
     group = parser.add_argument_group("model and data")
-    group.add_argument("--model", default="transformer",
-                       help="registered model, FILE.py:FUNCTION or package.module:FUNCTION")
+    group.add_argument(
+        "--model",
+        default="transformer",
+        help="registered model, FILE.py:FUNCTION or package.module:FUNCTION",
+    )
     group.add_argument("--preset", default="default", help="tiny | default | paper")
-    group.add_argument("--model-option", action="append", type=_key_value, default=[],
-                       metavar="KEY=VALUE", help="model option, e.g. sparse=true (repeatable)")
+    group.add_argument(
+        "--model-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="model option, e.g. sparse=true (repeatable)",
+    )
     group.add_argument("--data", help="real data file or folder (default: synthetic data)")
     group.add_argument("--steps", type=_positive_int, default=default_steps)
-    group.add_argument("--global-batch", type=_positive_int,
-                       help="samples per step over all workers (default: the preset's)")
+    group.add_argument(
+        "--global-batch",
+        type=_positive_int,
+        help="samples per step over all workers (default: the preset's)",
+    )
     group.add_argument("--seed", type=int, default=0)
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--optimizer", default="sgd", help="sgd | adam")
@@ -62,23 +77,41 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
     optim.add_argument("--momentum", type=float, default=0.9)
     optim.add_argument("--weight-decay", type=float, default=0.0)
     optim.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
-    optim.add_argument("--lr-scaling", default="none",
-                       help="none | linear (Goyal et al. 2017) | sqrt, against --lr-base-batch")
-    optim.add_argument("--lr-base-batch", type=_positive_int,
-                       help="batch size --lr was tuned for (default: the preset's)")
+    optim.add_argument(
+        "--lr-scaling",
+        default="none",
+        help="none | linear (Goyal et al. 2017) | sqrt, against --lr-base-batch",
+    )
+    optim.add_argument(
+        "--lr-base-batch",
+        type=_positive_int,
+        help="batch size --lr was tuned for (default: the preset's)",
+    )
     comm = parser.add_argument_group("allreduce")
-    comm.add_argument("--fusion-threshold-mb", type=float, default=64.0,
-                      help="fusion buffer size in MB; 0 disables fusion")
-    comm.add_argument("--fp16-compression", action="store_true",
-                      help="allreduce gradients as float16")
+    comm.add_argument(
+        "--fusion-threshold-mb",
+        type=float,
+        default=64.0,
+        help="fusion buffer size in MB; 0 disables fusion",
+    )
+    comm.add_argument(
+        "--fp16-compression", action="store_true", help="allreduce gradients as float16"
+    )
     run = parser.add_argument_group("launch and measurement")
-    run.add_argument("--threads", type=_positive_int,
-                     help="intra-op threads per rank (default: cores / local ranks)")
+    run.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="intra-op threads per rank (default: cores / local ranks)",
+    )
     run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    run.add_argument("--timeout", type=float, default=300.0,
-                     help="seconds before a collective gives up")
-    run.add_argument("--measure-warmup", type=int,
-                     help="steps left out of throughput (default: 10%%, at least 5)")
+    run.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
+    )
+    run.add_argument(
+        "--measure-warmup",
+        type=int,
+        help="steps left out of throughput (default: 10%%, at least 5)",
+    )
     run.add_argument("--out", help="results folder")
 
 
@@ -86,27 +119,37 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     nodes = parser.add_argument_group("multi-node (gradsync's own launcher)")
     nodes.add_argument("--nnodes", type=_positive_int, default=1)
     nodes.add_argument("--node-rank", type=int, default=0)
-    nodes.add_argument("--master-addr", default="127.0.0.1")
+    nodes.add_argument(
+        "--master-addr", help="rendezvous host (default 127.0.0.1, or the launcher's MASTER_ADDR)"
+    )
     nodes.add_argument("--master-port", type=int)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gradsync", description=(
-        "One model, every synchronization architecture: verified against a single-process "
-        "reference and measured side by side."))
+    parser = _Parser(
+        prog="gradsync",
+        description=(
+            "One model, every synchronization architecture: verified against a single-process "
+            "reference and measured side by side."
+        ),
+    )
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = commands.add_parser("train", help="train with one strategy")
     train.add_argument("--strategy", default="allreduce")
-    train.add_argument("--workers", type=_positive_int,
-                       help="worker processes (default 1; under torchrun/srun/mpirun: the "
-                            "launcher's world size)")
-    train.add_argument("--checkpoint-every", type=int, default=0,
-                       help="also write the checkpoint every N steps")
+    train.add_argument(
+        "--workers",
+        type=_positive_int,
+        help="worker processes (default 1; under torchrun/srun/mpirun: the launcher's world size)",
+    )
+    train.add_argument(
+        "--checkpoint-every", type=int, default=0, help="also write the checkpoint every N steps"
+    )
     train.add_argument("--log-every", type=_positive_int)
-    train.add_argument("--deterministic", action="store_true",
-                       help="disable dropout, as verify does")
+    train.add_argument(
+        "--deterministic", action="store_true", help="disable dropout, as verify does"
+    )
     _add_model_options(train, default_steps=50)
     _add_node_options(train)
 
@@ -125,26 +168,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace, **overrides: object):  # noqa: ANN202
+def _config(args: argparse.Namespace, **overrides: object):
     from gradsync.config import AllreduceConfig, LaunchConfig, OptimConfig, TrainConfig
 
     launch = LaunchConfig(
-        num_nodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
-        master_addr=getattr(args, "master_addr", "127.0.0.1"),
-        master_port=getattr(args, "master_port", None), timeout_s=args.timeout,
-        threads=args.threads, device=args.device,
+        num_nodes=getattr(args, "nnodes", 1),
+        node_rank=getattr(args, "node_rank", 0),
+        master_addr=getattr(args, "master_addr", None) or "127.0.0.1",
+        master_port=getattr(args, "master_port", None),
+        timeout_s=args.timeout,
+        threads=args.threads,
+        device=args.device,
     )
     optim = OptimConfig(
-        name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, lr_scaling=args.lr_scaling,
+        name=args.optimizer,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch,
     )
     fields = dict(
-        model=args.model, preset=args.preset, model_options=dict(args.model_option),
-        steps=args.steps, global_batch=args.global_batch, seed=args.seed, data=args.data,
-        measure_warmup=args.measure_warmup, optim=optim, launch=launch,
-        allreduce=AllreduceConfig(fusion_threshold_mb=args.fusion_threshold_mb,
-                                  fp16_compression=args.fp16_compression),
+        model=args.model,
+        preset=args.preset,
+        model_options=dict(args.model_option),
+        steps=args.steps,
+        global_batch=args.global_batch,
+        seed=args.seed,
+        data=args.data,
+        measure_warmup=args.measure_warmup,
+        optim=optim,
+        launch=launch,
+        allreduce=AllreduceConfig(
+            fusion_threshold_mb=args.fusion_threshold_mb, fp16_compression=args.fp16_compression
+        ),
     )
     fields.update(overrides)
     return TrainConfig(**fields)  # type: ignore[arg-type]
@@ -160,15 +218,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gradsync.strategies import strategy_class
     from gradsync.topology import detect_environment
 
-    env = detect_environment(master_addr=None, master_port=args.master_port)
-    common = dict(strategy=args.strategy, out=args.out or _timestamped(f"train-{args.strategy}"),
-                  deterministic=args.deterministic, checkpoint_every=args.checkpoint_every,
-                  log_every=args.log_every)
+    env = detect_environment(master_addr=args.master_addr, master_port=args.master_port)
+    common = dict(
+        strategy=args.strategy,
+        out=args.out or _timestamped(f"train-{args.strategy}"),
+        deterministic=args.deterministic,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+    )
     if env is None or env.launcher == "gradsync":
         config = _config(args, workers=args.workers or 1, **common)
         summary = run_job(config, quiet=False)
-        print(f"{config.strategy} × {config.workers} workers: "
-              f"{summary['throughput']['median']:,.1f} samples/s; results in {config.out}")
+        print(
+            f"{config.strategy} × {config.workers} workers: "
+            f"{summary['throughput']['median']:,.1f} samples/s; results in {config.out}"
+        )
         return EXIT_OK
     # Under torchrun / srun / mpirun: this process is one rank of the launcher's job.
     servers = strategy_class(args.strategy).num_server_ranks
@@ -176,9 +240,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _config(args, workers=workers, **common)
     expected = workers + servers(config)
     if expected != env.world_size:
-        raise UserError(f"{env.launcher} started {env.world_size} processes but --workers "
-                        f"{workers} with strategy '{args.strategy}' needs {expected}; "
-                        "match the launcher's process count")
+        raise UserError(
+            f"{env.launcher} started {env.world_size} processes but --workers "
+            f"{workers} with strategy '{args.strategy}' needs {expected}; "
+            "match the launcher's process count"
+        )
     validate(config)
     run_rank(config, env)
     return EXIT_OK
@@ -205,8 +271,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out or _timestamped("demo"))
     print(deterministic_notice(config))
     outcomes = run_matrix(config, list(STRATEGIES), [args.workers], out)
-    title = (f"gradsync demo: {config.model} ({config.preset}), {args.workers} workers, "
-             f"{config.steps} steps, synthetic data")
+    title = (
+        f"gradsync demo: {config.model} ({config.preset}), {args.workers} workers, "
+        f"{config.steps} steps, synthetic data"
+    )
     report_demo(outcomes, out, title)
     return EXIT_DIFFERS if any(o.failed for o in outcomes) else EXIT_OK
 
@@ -222,11 +290,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     beyond = 0
     for other in others:
         diffs = diff_checkpoints(reference, other)
-        rows = [[d.name, f"{d.max_abs:.3e}", f"{d.max_rel:.3e}",
-                 "ok" if d.within(args.tolerance) else "BEYOND"] for d in diffs]
+        rows = [
+            [
+                d.name,
+                f"{d.max_abs:.3e}",
+                f"{d.max_rel:.3e}",
+                "ok" if d.within(args.tolerance) else "BEYOND",
+            ]
+            for d in diffs
+        ]
         beyond += sum(not d.within(args.tolerance) for d in diffs)
-        print_table(f"{other.path} vs {reference.path} (tolerance: max abs ≤ {args.tolerance:g})",
-                    ["tensor", "max abs diff", "max rel diff", "verdict"], rows)
+        print_table(
+            f"{other.path} vs {reference.path} (tolerance: max abs ≤ {args.tolerance:g})",
+            ["tensor", "max abs diff", "max rel diff", "verdict"],
+            rows,
+        )
     print(f"{beyond} tensor(s) beyond tolerance" if beyond else "all tensors within tolerance")
     return EXIT_DIFFERS if beyond else EXIT_OK
 

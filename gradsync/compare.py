@@ -41,8 +41,9 @@ def tensor_diff(name: str, reference: torch.Tensor, other: torch.Tensor) -> Tens
     return TensorDiff(name, diff.max().item(), rel)
 
 
-def diff_checkpoints(reference: Checkpoint, other: Checkpoint, *,
-                     include_optimizer: bool = True) -> list[TensorDiff]:
+def diff_checkpoints(
+    reference: Checkpoint, other: Checkpoint, *, include_optimizer: bool = True
+) -> list[TensorDiff]:
     """Compare ``other`` with ``reference`` tensor by tensor; both must hold the same model."""
     ref_model, other_model = reference.meta.get("model"), other.meta.get("model")
     if ref_model != other_model or reference.meta.get("preset") != other.meta.get("preset"):
@@ -57,21 +58,28 @@ def diff_checkpoints(reference: Checkpoint, other: Checkpoint, *,
     oth_keys = {k for k in oth if not k.startswith("optim/")}
     if ref_keys != oth_keys:
         missing = sorted(ref_keys ^ oth_keys)[:3]
-        raise UserError(f"{other.path} and {reference.path} hold different tensors (e.g. "
-                        f"{', '.join(missing)}); were they written by the same model options?")
+        raise UserError(
+            f"{other.path} and {reference.path} hold different tensors (e.g. "
+            f"{', '.join(missing)}); were they written by the same model options?"
+        )
     diffs = []
     for name in sorted(set(ref) & set(oth)):
         if ref[name].shape != oth[name].shape:
-            raise UserError(f"tensor {name} has shape {tuple(oth[name].shape)} in {other.path} "
-                            f"but {tuple(ref[name].shape)} in {reference.path}")
+            raise UserError(
+                f"tensor {name} has shape {tuple(oth[name].shape)} in {other.path} "
+                f"but {tuple(ref[name].shape)} in {reference.path}"
+            )
         diffs.append(tensor_diff(name, ref[name], oth[name]))
     return diffs
 
 
 def worst(diffs: list[TensorDiff]) -> TensorDiff:
     """The largest max-abs and max-rel over all tensors (each may come from another tensor)."""
-    return TensorDiff("all", max((d.max_abs for d in diffs), default=0.0),
-                      max((d.max_rel for d in diffs), default=0.0))
+    return TensorDiff(
+        "all",
+        max((d.max_abs for d in diffs), default=0.0),
+        max((d.max_rel for d in diffs), default=0.0),
+    )
 
 
 __all__ = ["DEFAULT_TOLERANCE", "TensorDiff", "diff_checkpoints", "tensor_diff", "worst"]

@@ -101,23 +101,40 @@ class TrainConfig:
         if self.optim.name not in OPTIMIZERS:
             raise UserError(f"unknown optimizer '{self.optim.name}'; choose one of: sgd, adam")
         if self.optim.lr_scaling not in LR_SCALINGS:
-            raise UserError(f"unknown --lr-scaling '{self.optim.lr_scaling}'; choose one of: "
-                            f"{', '.join(LR_SCALINGS)}")
+            raise UserError(
+                f"unknown --lr-scaling '{self.optim.lr_scaling}'; choose one of: "
+                f"{', '.join(LR_SCALINGS)}"
+            )
         if self.optim.lr is not None and not self.optim.lr > 0:
             raise UserError(f"--lr must be > 0, got {self.optim.lr}")
+        if self.measure_warmup is not None and self.measure_warmup < 0:
+            raise UserError(f"--measure-warmup must be >= 0, got {self.measure_warmup}")
+        if self.checkpoint_every < 0:
+            raise UserError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.optim.lr_base_batch is not None and self.optim.lr_base_batch < 1:
+            raise UserError(
+                f"--lr-base-batch must be a positive integer, got {self.optim.lr_base_batch}"
+            )
+        if not 0 <= self.optim.momentum < 1:
+            raise UserError(f"--momentum must be in [0, 1), got {self.optim.momentum}")
         if self.optim.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.optim.warmup_steps}")
         if self.allreduce.fusion_threshold_mb < 0:
-            raise UserError(f"--fusion-threshold-mb must be >= 0, got "
-                            f"{self.allreduce.fusion_threshold_mb}")
+            raise UserError(
+                f"--fusion-threshold-mb must be >= 0, got {self.allreduce.fusion_threshold_mb}"
+            )
         launch = self.launch
         _check_positive("--nnodes", launch.num_nodes)
         if not 0 <= launch.node_rank < launch.num_nodes:
-            raise UserError(f"--node-rank {launch.node_rank} is outside 0..{launch.num_nodes - 1} "
-                            f"for --nnodes {launch.num_nodes}")
+            raise UserError(
+                f"--node-rank {launch.node_rank} is outside 0..{launch.num_nodes - 1} "
+                f"for --nnodes {launch.num_nodes}"
+            )
         if self.workers % launch.num_nodes:
-            raise UserError(f"--workers {self.workers} does not divide over --nnodes "
-                            f"{launch.num_nodes}; use a multiple of {launch.num_nodes}")
+            raise UserError(
+                f"--workers {self.workers} does not divide over --nnodes "
+                f"{launch.num_nodes}; use a multiple of {launch.num_nodes}"
+            )
         if launch.threads is not None:
             _check_positive("--threads", launch.threads)
         if launch.master_port is not None and not 0 < launch.master_port < 65536:
@@ -125,8 +142,10 @@ class TrainConfig:
         if not launch.timeout_s > 0:
             raise UserError(f"--timeout must be > 0 seconds, got {launch.timeout_s}")
         if self.data is not None and not Path(self.data).exists():
-            raise UserError(f"--data {self.data} does not exist; pass the path of the data "
-                            "file or directory for this model")
+            raise UserError(
+                f"--data {self.data} does not exist; pass the path of the data "
+                "file or directory for this model"
+            )
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` (validated again)."""

@@ -62,8 +62,10 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as error:
-            raise UserError(f"--master-port {port} on {host} is not usable ({error.strerror}); "
-                            "pick a free port or omit --master-port to choose one") from None
+            raise UserError(
+                f"--master-port {port} on {host} is not usable ({error.strerror}); "
+                "pick a free port or omit --master-port to choose one"
+            ) from None
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -116,11 +118,16 @@ def launch_local(config: TrainConfig, *, log_file: Path | None = None) -> None:
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
             popen = subprocess.Popen(
                 [sys.executable, "-m", "gradsync.runtime", str(config_path)],
-                env=env, stdout=stdout, stderr=subprocess.PIPE, preexec_fn=_die_with_parent,
+                env=env,
+                stdout=stdout,
+                stderr=subprocess.PIPE,
+                preexec_fn=_die_with_parent,
             )
             ranks.append(_start_reader(RankProcess(rank, popen), echo=stdout is None))
-        atomic_write_text(out / f"ranks-node{launch.node_rank}.json",
-                          json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n")
+        atomic_write_text(
+            out / f"ranks-node{launch.node_rank}.json",
+            json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n",
+        )
         _watch(ranks)
     finally:
         _terminate(ranks)
@@ -165,8 +172,10 @@ def _failure(rank: RankProcess) -> Exception:
     if rank.popen.returncode == 2 and user_errors:
         return UserError(user_errors[-1].removeprefix(USER_ERROR_PREFIX))
     tail = "\n".join(f"  {line}" for line in rank.tail) or "  (no stderr output)"
-    return JobFailed(f"rank {rank.rank} (pid {rank.popen.pid}) {rank.describe_exit()}; "
-                     f"its last stderr lines:\n{tail}")
+    return JobFailed(
+        f"rank {rank.rank} (pid {rank.popen.pid}) {rank.describe_exit()}; "
+        f"its last stderr lines:\n{tail}"
+    )
 
 
 def _terminate(ranks: list[RankProcess]) -> None:

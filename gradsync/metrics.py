@@ -82,8 +82,9 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def summarize(out_dir: Path, *, global_batch: int, measure_warmup: int | None,
-              run_info: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    out_dir: Path, *, global_batch: int, measure_warmup: int | None, run_info: dict[str, Any]
+) -> dict[str, Any]:
     """Write ``summary.json``: throughput after warm-up, loss curve, bytes per step and rank.
 
     The job's step time is the slowest worker's step time; loss is the mean over workers
@@ -95,20 +96,21 @@ def summarize(out_dir: Path, *, global_batch: int, measure_warmup: int | None,
     step_times = [max(r["step_time_s"] for r in by_step[s]) for s in steps]
     losses = [statistics.fmean(r["loss"] for r in by_step[s]) for s in steps]
     rate = throughput(step_times, global_batch, warmup_steps=measure_warmup)
-    measured = steps[rate.warmup_steps:]
+    measured = steps[rate.warmup_steps :]
     per_rank = {
         rank: {
             "bytes_sent_per_step": _mean(r["bytes_sent"] for r in lines if r["step"] in measured),
             "bytes_recv_per_step": _mean(r["bytes_recv"] for r in lines if r["step"] in measured),
             "exposed_comm_s_per_step": _mean(
-                r["exposed_comm_s"] for r in lines if r["step"] in measured),
+                r["exposed_comm_s"] for r in lines if r["step"] in measured
+            ),
         }
         for rank, lines in records.items()
     }
     summary = {
         **run_info,
         "throughput": rate.as_dict(),
-        "step_time_s_median": statistics.median(step_times[rate.warmup_steps:]),
+        "step_time_s_median": statistics.median(step_times[rate.warmup_steps :]),
         "loss": losses,
         "final_loss": losses[-1],
         "bytes_sent_per_step": _mean(v["bytes_sent_per_step"] for v in per_rank.values()),

@@ -39,13 +39,15 @@ class Updater:
         params = list(params)
         if config.name == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
-                params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+                params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
+            )
         else:
             self.optimizer = torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
         warmup = config.warmup_steps
         # Gradual warm-up (Goyal et al. 2017, §2.2): ramp linearly over the first steps.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
 
     def update(self) -> None:
         self.optimizer.step()

@@ -27,8 +27,13 @@ class StepProgress:
 
     def __enter__(self) -> StepProgress:
         if self.enabled and sys.stdout.isatty():
-            self._bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+            self._bar = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+            )
             self._bar.__enter__()
             self._task = self._bar.add_task("train", total=self.total_steps, status="")
         return self
@@ -42,7 +47,11 @@ class StepProgress:
         elif (record.step + 1) % self.log_every == 0 or record.step + 1 == self.total_steps:
             print(f"[rank 0] step {record.step + 1}/{self.total_steps}  {status}", flush=True)
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         if self._bar is not None:
             self._bar.__exit__(kind, error, trace)

@@ -35,15 +35,20 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
     """Train as rank ``env.rank`` of ``env.world_size``; rank 0 writes the summary."""
     threads = config.launch.threads or default_threads(env.local_world_size)
     torch.set_num_threads(threads)
-    print(f"[rank {env.rank}] {env.launcher}: intra-op threads {threads} "
-          f"({os.cpu_count()} cores / {env.local_world_size} local ranks)", flush=True)
+    print(
+        f"[rank {env.rank}] {env.launcher}: intra-op threads {threads} "
+        f"({os.cpu_count()} cores / {env.local_world_size} local ranks)",
+        flush=True,
+    )
     device = _device(config, env)
     distributed = env.world_size > 1 or config.strategy != "single"
     if distributed:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank, world_size=env.world_size,
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
             timeout=timedelta(seconds=config.launch.timeout_s),
         )
     try:
@@ -53,16 +58,22 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
             dist.destroy_process_group()
 
 
-def _train_and_record(config: TrainConfig, env: RankEnv, device: torch.device,
-                      threads: int) -> None:
+def _train_and_record(
+    config: TrainConfig, env: RankEnv, device: torch.device, threads: int
+) -> None:
     out = Path(config.out)
     strategy = strategy_class(config.strategy)()
     num_workers = config.workers
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
-    workload = build_workload(config.model, preset=config.preset, seed=config.seed,
-                              data=config.data, dropout=not config.deterministic,
-                              options=config.model_options)
+    workload = build_workload(
+        config.model,
+        preset=config.preset,
+        seed=config.seed,
+        data=config.data,
+        dropout=not config.deterministic,
+        options=config.model_options,
+    )
     global_batch = config.global_batch or workload.global_batch
     model = workload.model.to(device)
     if num_workers > 1 and convert_batchnorm(model, group=None) and env.rank == 0:
@@ -72,8 +83,13 @@ def _train_and_record(config: TrainConfig, env: RankEnv, device: torch.device,
     base_batch = workload.global_batch
     lr = effective_lr(config.optim, global_batch, base_batch)
     context = Context(
-        config=config, rank=env.rank, world_size=env.world_size,
-        worker_index=env.rank, num_workers=num_workers, device=device, worker_group=None,
+        config=config,
+        rank=env.rank,
+        world_size=env.world_size,
+        worker_index=env.rank,
+        num_workers=num_workers,
+        device=device,
+        worker_group=None,
         make_updater=lambda params: Updater(params, config.optim, lr=lr),
     )
     if env.rank == 0:
@@ -82,9 +98,15 @@ def _train_and_record(config: TrainConfig, env: RankEnv, device: torch.device,
     writer = MetricsWriter(out, env.rank)
     progress = StepProgress(config.steps, enabled=env.rank == 0, log_every=config.log_every)
     meta = {
-        "model": config.model, "preset": config.preset, "model_options": config.model_options,
-        "strategy": config.strategy, "workers": num_workers, "seed": config.seed,
-        "global_batch": global_batch, "optimizer": config.optim.name, "lr": lr,
+        "model": config.model,
+        "preset": config.preset,
+        "model_options": config.model_options,
+        "strategy": config.strategy,
+        "workers": num_workers,
+        "seed": config.seed,
+        "global_batch": global_batch,
+        "optimizer": config.optim.name,
+        "lr": lr,
         "deterministic": config.deterministic,
     }
 
@@ -102,12 +124,23 @@ def _train_and_record(config: TrainConfig, env: RankEnv, device: torch.device,
     if dist.is_initialized():
         dist.barrier()  # every rank's metrics are on disk before rank 0 summarizes
     if env.rank == 0:
-        summary = summarize(out, global_batch=global_batch, measure_warmup=config.measure_warmup,
-                            run_info={**meta, "steps": config.steps, "launcher": env.launcher,
-                                      "environment": environment(threads)})
-        print(f"[rank 0] {config.strategy}: {summary['throughput']['median']:,.1f} samples/s "
-              f"(median after {summary['throughput']['warmup_steps']} warm-up steps), "
-              f"final loss {summary['final_loss']:.4f}; results in {out}", flush=True)
+        summary = summarize(
+            out,
+            global_batch=global_batch,
+            measure_warmup=config.measure_warmup,
+            run_info={
+                **meta,
+                "steps": config.steps,
+                "launcher": env.launcher,
+                "environment": environment(threads),
+            },
+        )
+        print(
+            f"[rank 0] {config.strategy}: {summary['throughput']['median']:,.1f} samples/s "
+            f"(median after {summary['throughput']['warmup_steps']} warm-up steps), "
+            f"final loss {summary['final_loss']:.4f}; results in {out}",
+            flush=True,
+        )
 
 
 def _write_checkpoint(strategy: object, out: Path, meta: dict[str, object]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -62,10 +63,14 @@ def throughput(
     count = max(1, min(num_windows, len(measured)))
     bounds = [round(i * len(measured) / count) for i in range(count + 1)]
     rates = []
-    for low, high in zip(bounds, bounds[1:], strict=False):
+    for low, high in itertools.pairwise(bounds):
         window = measured[low:high]
         rates.append(global_batch * len(window) / sum(window))
     return Throughput(
-        median=statistics.median(rates), low=min(rates), high=max(rates),
-        num_windows=count, warmup_steps=warmup, measured_steps=len(measured),
+        median=statistics.median(rates),
+        low=min(rates),
+        high=max(rates),
+        num_windows=count,
+        warmup_steps=warmup,
+        measured_steps=len(measured),
     )

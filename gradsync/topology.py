@@ -64,7 +64,9 @@ def detect_environment(
     return None
 
 
-def _int(env: Mapping[str, str], key: str) -> int:
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+    if key not in env and default is not None:
+        return default
     try:
         return int(env[key])
     except ValueError:
@@ -79,10 +81,10 @@ def _from_torchrun(env: Mapping[str, str], addr: str | None, port: int | None) -
         launcher=env.get("GRADSYNC_LAUNCHER", "torchrun"),
         rank=_int(env, "RANK"),
         world_size=world_size,
-        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+        local_rank=_int(env, "LOCAL_RANK", _int(env, "RANK")),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size),
         master_addr=addr or env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=port or int(env.get("MASTER_PORT", DEFAULT_PORT)),
+        master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT),
     )
 
 
@@ -93,24 +95,32 @@ def _from_slurm(env: Mapping[str, str], addr: str | None, port: int | None) -> R
     world_size = _int(env, "SLURM_STEP_NUM_TASKS")
     tasks_per_node = parse_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world_size)))
     node_list = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
-    job_id = int(env.get("SLURM_JOB_ID", "0"))
+    job_id = _int(env, "SLURM_JOB_ID", 0)
+    node_id = _int(env, "SLURM_NODEID", 0)
     return RankEnv(
         launcher="slurm",
         rank=_int(env, "SLURM_PROCID"),
         world_size=world_size,
-        local_rank=int(env.get("SLURM_LOCALID", "0")),
-        local_world_size=tasks_per_node[0],
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        local_world_size=tasks_per_node[min(node_id, len(tasks_per_node) - 1)],
         master_addr=addr or env.get("MASTER_ADDR") or expand_nodelist(node_list)[0],
         # Every task must agree on the port without talking: derive it from the job id.
-        master_port=port or int(env.get("MASTER_PORT", DEFAULT_PORT + job_id % 1000)),
+        master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT + job_id % 1000),
     )
 
 
 def _from_open_mpi(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
     if "OMPI_COMM_WORLD_RANK" not in env:
         return None
-    return _mpi_env(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", addr, port)
+    return _mpi_env(
+        env,
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        addr,
+        port,
+    )
 
 
 def _from_mpich(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
@@ -119,24 +129,33 @@ def _from_mpich(env: Mapping[str, str], addr: str | None, port: int | None) -> R
     return _mpi_env(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", addr, port)
 
 
-def _mpi_env(env: Mapping[str, str], rank_key: str, size_key: str, local_rank_key: str,
-             local_size_key: str, addr: str | None, port: int | None) -> RankEnv:
+def _mpi_env(
+    env: Mapping[str, str],
+    rank_key: str,
+    size_key: str,
+    local_rank_key: str,
+    local_size_key: str,
+    addr: str | None,
+    port: int | None,
+) -> RankEnv:
     world_size = _int(env, size_key)
-    local_world_size = int(env.get(local_size_key, world_size))
+    local_world_size = _int(env, local_size_key, world_size)
     master_addr = addr or env.get("MASTER_ADDR")
     if master_addr is None:
         if local_world_size != world_size:
-            raise UserError("under mpirun across several nodes gradsync needs the rendezvous "
-                            "host: pass --master-addr HOST (or export MASTER_ADDR)")
+            raise UserError(
+                "under mpirun across several nodes gradsync needs the rendezvous "
+                "host: pass --master-addr HOST (or export MASTER_ADDR)"
+            )
         master_addr = "127.0.0.1"
     return RankEnv(
         launcher="mpirun",
         rank=_int(env, rank_key),
         world_size=world_size,
-        local_rank=int(env.get(local_rank_key, env[rank_key])),
+        local_rank=_int(env, local_rank_key, _int(env, rank_key)),
         local_world_size=local_world_size,
         master_addr=master_addr,
-        master_port=port or int(env.get("MASTER_PORT", DEFAULT_PORT)),
+        master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT),
     )
 
 

@@ -46,15 +46,17 @@ def train(
         elapsed = time.perf_counter() - started
 
         after = strategy.stats()
-        on_step(StepRecord(
-            step=step,
-            rank=context.rank,
-            loss=float(loss.item()),
-            step_time_s=elapsed,
-            samples_per_s=global_batch / elapsed,
-            bytes_sent=after.bytes_sent - before.bytes_sent,
-            bytes_recv=after.bytes_recv - before.bytes_recv,
-            exposed_comm_s=after.exposed_comm_s - before.exposed_comm_s,
-            lr=strategy.updater.lr if strategy.updater else 0.0,
-        ))
+        on_step(
+            StepRecord(
+                step=step,
+                rank=context.rank,
+                loss=float(loss.item()),
+                step_time_s=elapsed,
+                samples_per_s=global_batch / elapsed,
+                bytes_sent=after.bytes_sent - before.bytes_sent,
+                bytes_recv=after.bytes_recv - before.bytes_recv,
+                exposed_comm_s=after.exposed_comm_s - before.exposed_comm_s,
+                lr=strategy.updater.lr if strategy.updater else 0.0,
+            )
+        )
         before = after

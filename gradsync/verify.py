@@ -46,6 +46,8 @@ def tolerance_for(config: TrainConfig) -> float:
     if config.optim.name == "adam":
         return round(ADAM_NOISE_FRACTION * config.optim.base_lr() * config.steps, 12)
     return SGD_TOLERANCE
+
+
 REFERENCE = "single"
 
 
@@ -70,8 +72,14 @@ class Outcome:
         return self.verdict == "FAIL"
 
 
-def run_matrix(base: TrainConfig, strategies: Sequence[str], workers: Sequence[int],
-               out: Path, *, log: bool = True) -> list[Outcome]:
+def run_matrix(
+    base: TrainConfig,
+    strategies: Sequence[str],
+    workers: Sequence[int],
+    out: Path,
+    *,
+    log: bool = True,
+) -> list[Outcome]:
     """Run ``single`` once and each strategy at each worker count; compare parameters.
 
     Example:
@@ -94,12 +102,21 @@ def run_matrix(base: TrainConfig, strategies: Sequence[str], workers: Sequence[i
             reference = checkpoint
         diff = worst(diff_checkpoints(reference, checkpoint, include_optimizer=False))
         verdict, reason = _verdict(config, diff.max_abs, tolerance)
-        outcomes.append(Outcome(
-            strategy=config.strategy, workers=config.workers, max_abs=diff.max_abs,
-            max_rel=diff.max_rel, tolerance=tolerance, verdict=verdict, reason=reason,
-            throughput=summary["throughput"], bytes_sent_per_step=summary["bytes_sent_per_step"],
-            final_loss=summary["final_loss"], out=config.out,
-        ))
+        outcomes.append(
+            Outcome(
+                strategy=config.strategy,
+                workers=config.workers,
+                max_abs=diff.max_abs,
+                max_rel=diff.max_rel,
+                tolerance=tolerance,
+                verdict=verdict,
+                reason=reason,
+                throughput=summary["throughput"],
+                bytes_sent_per_step=summary["bytes_sent_per_step"],
+                final_loss=summary["final_loss"],
+                out=config.out,
+            )
+        )
     return outcomes
 
 
@@ -116,16 +133,35 @@ def _verdict(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[str
 
 
 def deterministic_notice(config: TrainConfig) -> str:
-    return (f"verify: dropout is disabled so every strategy sees the same computation; "
-            f"{config.steps} steps, seed {config.seed}, optimizer {config.optim.name}")
+    return (
+        f"verify: dropout is disabled so every strategy sees the same computation; "
+        f"{config.steps} steps, seed {config.seed}, optimizer {config.optim.name}"
+    )
 
 
 def report_verify(outcomes: list[Outcome], out: Path) -> None:
     """Print the verdict table and write verify.json / verify.md under ``out``."""
-    headers = ["strategy", "workers", "max abs diff", "max rel diff", "tolerance", "verdict",
-               "reason"]
-    rows = [[o.strategy, str(o.workers), f"{o.max_abs:.2e}", f"{o.max_rel:.2e}",
-             f"{o.tolerance:.0e}", o.verdict, o.reason] for o in outcomes]
+    headers = [
+        "strategy",
+        "workers",
+        "max abs diff",
+        "max rel diff",
+        "tolerance",
+        "verdict",
+        "reason",
+    ]
+    rows = [
+        [
+            o.strategy,
+            str(o.workers),
+            f"{o.max_abs:.2e}",
+            f"{o.max_rel:.2e}",
+            f"{o.tolerance:.0e}",
+            o.verdict,
+            o.reason,
+        ]
+        for o in outcomes
+    ]
     print_table("gradsync verify: parameters against single", headers, rows)
     _write_results(out, "verify", outcomes, markdown_table(headers, rows))
 
@@ -133,22 +169,40 @@ def report_verify(outcomes: list[Outcome], out: Path) -> None:
 def report_demo(outcomes: list[Outcome], out: Path, title: str) -> None:
     """Print the side-by-side table (throughput and correctness) and write the results folder."""
     baseline = next((o for o in outcomes if o.strategy == "ddp"), outcomes[0])
-    headers = ["strategy", "workers", "samples/s median (min–max)", "vs ddp", "bytes sent/step",
-               "max |Δparam| vs single", "verdict"]
+    headers = [
+        "strategy",
+        "workers",
+        "samples/s median (min–max)",
+        "vs ddp",
+        "bytes sent/step",
+        "max |Δparam| vs single",
+        "verdict",
+    ]
     rows = []
     for o in outcomes:
         rate = Throughput(**o.throughput)
         ratio = o.throughput["median"] / baseline.throughput["median"]
-        rows.append([o.strategy, str(o.workers), str(rate), f"{ratio:.2f}×",
-                     _bytes(o.bytes_sent_per_step), f"{o.max_abs:.2e}", o.verdict])
+        rows.append(
+            [
+                o.strategy,
+                str(o.workers),
+                str(rate),
+                f"{ratio:.2f}×",
+                _bytes(o.bytes_sent_per_step),
+                f"{o.max_abs:.2e}",
+                o.verdict,
+            ]
+        )
     print_table(title, headers, rows)
     _write_results(out, "results", outcomes, f"# {title}\n\n" + markdown_table(headers, rows))
 
 
 def _write_results(out: Path, stem: str, outcomes: list[Outcome], markdown: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "outcomes": [asdict(o) for o in outcomes]}
+    payload = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "outcomes": [asdict(o) for o in outcomes],
+    }
     atomic_write_text(out / f"{stem}.json", json.dumps(payload, indent=2) + "\n")
     atomic_write_text(out / f"{stem}.md", markdown + "\n")
     print(f"results written to {out}/{stem}.json and {out}/{stem}.md")

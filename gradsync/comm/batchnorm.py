@@ -40,10 +40,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
         channels = x.shape[1]
         local_mean = x.mean(dims)
         local_m2 = ((x - local_mean.view(1, channels, *[1] * (x.dim() - 2))) ** 2).sum(dims)
-        count = torch.full((channels,), x.numel() // channels, dtype=torch.float64,
-                           device=x.device)
+        count = torch.full((channels,), x.numel() // channels, dtype=torch.float64, device=x.device)
         mean, var, total = _combine_moments(
-            torch.stack([count, local_mean.double(), local_m2.double()]), group)
+            torch.stack([count, local_mean.double(), local_m2.double()]), group
+        )
         mean, var = mean.to(x.dtype), var.to(x.dtype)
         invstd = torch.rsqrt(var + eps)
         shape = [1, channels] + [1] * (x.dim() - 2)
@@ -93,17 +93,23 @@ class GlobalBatchNorm(nn.Module):
         self.eps = source.eps
         self.momentum = source.momentum
         self.group = group
+        self.train(source.training)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
-            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
-                                            self.bias, False, 0.0, self.eps)
-        y, mean, unbiased_var = _GlobalBatchNorm.apply(x, self.weight, self.bias, self.eps,
-                                                       self.group)
+            return nn.functional.batch_norm(
+                x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
+        y, mean, unbiased_var = _GlobalBatchNorm.apply(
+            x, self.weight, self.bias, self.eps, self.group
+        )
         with torch.no_grad():
             self.num_batches_tracked.add_(1)
-            momentum = self.momentum if self.momentum is not None else (
-                1.0 / float(self.num_batches_tracked))
+            momentum = (
+                self.momentum
+                if self.momentum is not None
+                else (1.0 / float(self.num_batches_tracked))
+            )
             self.running_mean.lerp_(mean, momentum)
             self.running_var.lerp_(unbiased_var, momentum)
         return y

@@ -90,6 +90,7 @@ class FusedAllreduce:
         self.stats = stats
         self.wire_dtype = torch.float16 if fp16 else None
         self.buckets: list[Bucket] = []
+        self._next_launch = 0
         self._slot: dict[int, tuple[Bucket, int]] = {}
         for indices in plan_buckets(params, threshold_bytes):
             members = [params[i] for i in indices]
@@ -98,8 +99,9 @@ class FusedAllreduce:
                 offsets.append(total)
                 total += param.numel()
             dtype = self.wire_dtype or members[0].dtype
-            bucket = Bucket(members, offsets, torch.zeros(total, dtype=dtype,
-                                                          device=members[0].device))
+            bucket = Bucket(
+                members, offsets, torch.zeros(total, dtype=dtype, device=members[0].device)
+            )
             bucket.reset()
             self.buckets.append(bucket)
             for position, param in enumerate(members):
@@ -115,8 +117,13 @@ class FusedAllreduce:
         bucket, position = self._slot[id(param)]
         self._copy_in(bucket, position)
         bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch(bucket)
+        # Launch strictly in bucket order, as DDP does: every rank must issue the same
+        # collectives in the same order even if gradients arrive in another order.
+        while (
+            self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0
+        ):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
 
     def _copy_in(self, bucket: Bucket, position: int) -> None:
         param = bucket.params[position]
@@ -132,19 +139,20 @@ class FusedAllreduce:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        self.stats.add_allreduce(bucket.buffer.numel() * bucket.buffer.element_size(),
-                                 self.world_size)
+        self.stats.add_allreduce(
+            bucket.buffer.numel() * bucket.buffer.element_size(), self.world_size
+        )
 
     def finish(self) -> None:
         """Wait for every bucket, write averaged gradients into ``param.grad``, reset."""
         started = time.perf_counter()
-        for bucket in self.buckets:
-            if bucket.work is None:
-                # Parameters that got no gradient this step contribute zeros.
-                for position in range(len(bucket.params)):
-                    if position not in bucket.filled:
-                        self._copy_in(bucket, position)
-                self._launch(bucket)
+        for bucket in self.buckets[self._next_launch :]:
+            # Parameters that got no gradient this step contribute zeros.
+            for position in range(len(bucket.params)):
+                if position not in bucket.filled:
+                    self._copy_in(bucket, position)
+            self._launch(bucket)
+        self._next_launch = 0
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.buffer.div_(self.world_size)

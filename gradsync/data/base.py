@@ -101,7 +101,9 @@ def shard_bounds(global_batch: int, num_workers: int, worker: int) -> tuple[int,
 def per_sample(
     seed: int, step: int, start: int, stop: int, draw: Callable[[torch.Generator], Tensor]
 ) -> Tensor:
-    """Stack ``draw(g)`` for samples ``start..stop-1``, each with its own (seed, step, index) generator.
+    """Stack ``draw(g)`` for samples ``start..stop-1``, each with its own generator.
+
+    Sample ``i`` draws from a generator seeded by (seed, step, i).
 
     This is what makes synthetic data independent of how the global batch is sharded.
     """

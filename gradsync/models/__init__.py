@@ -35,7 +35,9 @@ def model_spec(name: str) -> ModelSpec:
         ) from None
 
 
-def check_model(name: str, preset: str = "default", options: Mapping[str, str] | None = None) -> None:
+def check_model(
+    name: str, preset: str = "default", options: Mapping[str, str] | None = None
+) -> None:
     """Fail early (UserError) on an unknown model, preset or model option."""
     request = BuildRequest(preset=preset, options=dict(options or {}))
     if is_user_model(name):
@@ -65,5 +67,13 @@ def build_workload(
     return model_spec(name).build(request)
 
 
-__all__ = ["DEFAULT_MODEL", "REGISTRY", "BuildRequest", "ModelSpec", "Workload", "build_workload",
-           "check_model", "model_spec"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "REGISTRY",
+    "BuildRequest",
+    "ModelSpec",
+    "Workload",
+    "build_workload",
+    "check_model",
+    "model_spec",
+]

@@ -111,4 +111,6 @@ def _convert(text: str, annotation: Any, key: str) -> Any:
 
 def check_preset(preset: str, model: str) -> None:
     if preset not in PRESETS:
-        raise UserError(f"unknown preset '{preset}' for model '{model}'; choose one of: {', '.join(PRESETS)}")
+        raise UserError(
+            f"unknown preset '{preset}' for model '{model}'; choose one of: {', '.join(PRESETS)}"
+        )

@@ -52,30 +52,35 @@ def _load_function(name: str) -> Callable[..., Any]:
     else:
         try:
             module = importlib.import_module(location)
-        except ImportError as error:
-            raise UserError(f"cannot import user model module '{location}': {error}") from None
+        except Exception as error:
+            raise UserError(f"cannot import user model module '{location}': {error!r}") from None
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise UserError(f"'{function_name}' is not a function in {location}; pass --model {location}:FUNCTION")
+        raise UserError(
+            f"'{function_name}' is not a function in {location}; pass --model {location}:FUNCTION"
+        )
     return function
 
 
 def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = False) -> Workload:
     """Import and call the user's build function; adapt its result into a Workload."""
     build = _load_function(name)
+    options = {key.replace("-", "_"): value for key, value in request.options.items()}
     available = {
         "preset": request.preset,
         "seed": request.seed,
         "data": request.data,
         "dropout": request.dropout,
-        **request.options,
+        **options,
     }
     parameters = inspect.signature(build).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    unknown = [key for key in request.options if key not in parameters and not takes_any]
+    unknown = [key for key in options if key not in parameters and not takes_any]
     if unknown:
-        raise UserError(f"user model {name} takes no option {', '.join(unknown)}; its parameters: "
-                        f"{', '.join(parameters)}")
+        raise UserError(
+            f"user model {name} takes no option {', '.join(unknown)}; its parameters: "
+            f"{', '.join(parameters)}"
+        )
     kwargs = {k: v for k, v in available.items() if takes_any or k in parameters}
     if load_only:
         return None  # type: ignore[return-value]
@@ -83,13 +88,20 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
     if isinstance(result, Workload):
         return result
     if not (isinstance(result, tuple) and len(result) == 3):
-        raise UserError(f"user model {name} must return a Workload or (model, dataset, loss), "
-                        f"got {type(result).__name__}")
+        raise UserError(
+            f"user model {name} must return a Workload or (model, dataset, loss), "
+            f"got {type(result).__name__}"
+        )
     model, dataset, loss = result
     if not isinstance(dataset, Dataset):
         dataset = MapStyleSamples(dataset, seed=request.seed)
-    return Workload(model=model, dataset=dataset, loss=loss,
-                    global_batch=DEFAULT_USER_GLOBAL_BATCH, description=name)
+    return Workload(
+        model=model,
+        dataset=dataset,
+        loss=loss,
+        global_batch=DEFAULT_USER_GLOBAL_BATCH,
+        description=name,
+    )
 
 
 class MapStyleSamples(IndexedSamples):
@@ -104,8 +116,10 @@ class MapStyleSamples(IndexedSamples):
 
     def __init__(self, dataset: Any, *, seed: int) -> None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise UserError("a user model's dataset must be a gradsync Dataset or a map-style "
-                            "dataset with __len__ and __getitem__ returning (input, target)")
+            raise UserError(
+                "a user model's dataset must be a gradsync Dataset or a map-style "
+                "dataset with __len__ and __getitem__ returning (input, target)"
+            )
         super().__init__(len(dataset), seed)
         self.dataset = dataset
 

@@ -24,7 +24,9 @@ def strategy_class(name: str) -> type[Strategy]:
     try:
         return STRATEGIES[name]
     except KeyError:
-        raise UserError(f"unknown strategy '{name}'; choose one of: {', '.join(STRATEGIES)}") from None
+        raise UserError(
+            f"unknown strategy '{name}'; choose one of: {', '.join(STRATEGIES)}"
+        ) from None
 
 
 def world_size_of(config: TrainConfig) -> int:
@@ -36,8 +38,10 @@ def check_strategy(config: TrainConfig) -> None:
     """Fail early on a strategy that cannot run in ``config``'s topology."""
     strategy_class(config.strategy)
     if config.strategy == "single" and config.workers != 1:
-        raise UserError(f"strategy 'single' runs one process on the whole global batch, but "
-                        f"--workers is {config.workers}; use --workers 1 or another strategy")
+        raise UserError(
+            f"strategy 'single' runs one process on the whole global batch, but "
+            f"--workers is {config.workers}; use --workers 1 or another strategy"
+        )
 
 
 __all__ = ["STRATEGIES", "Context", "Strategy", "check_strategy", "strategy_class", "world_size_of"]

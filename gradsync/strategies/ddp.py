@@ -22,11 +22,13 @@ class NativeDDP(Strategy):
     def setup(self, model: nn.Module, context: Context) -> nn.Module:
         self.context, self.model = context, model
         device_ids = [context.device.index] if context.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids,
-                                          process_group=context.worker_group)
+        wrapped = DistributedDataParallel(
+            model, device_ids=device_ids, process_group=context.worker_group
+        )
         self.updater = context.make_updater(model.parameters())
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                               if p.requires_grad)
+        self._grad_bytes = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+        )
         return wrapped
 
     def step(self) -> None:

@@ -236,11 +236,6 @@ def test_unsupported_batchnorm_is_a_value_error(options):
         GlobalBatchNorm(nn.BatchNorm2d(3, **options), group=None)
 
 
-@pytest.mark.xfail(
-    reason="BUG: GlobalBatchNorm starts in training mode whatever the source layer's mode, so "
-    "converting an eval-mode model switches its BatchNorm to batch statistics (and collectives)",
-    strict=True,
-)
 def test_convert_keeps_the_training_mode():
     model = nn.Sequential(nn.BatchNorm2d(3)).eval()
     convert_batchnorm(model, group=None)

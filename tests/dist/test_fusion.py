@@ -348,12 +348,6 @@ def _partially_unused(rank: int, world_size: int) -> list:
     return [p.grad for p in model.parameters()]
 
 
-@pytest.mark.xfail(
-    reason="BUG: a bucket is launched as soon as it is full, so when a parameter gets a "
-    "gradient on some ranks only, ranks launch their buckets in different orders and Gloo "
-    "pairs mismatched allreduces (abort on size mismatch, silently wrong sums otherwise)",
-    strict=True,
-)
 def test_parameter_without_gradient_on_some_ranks(run_ranks):
     run_ranks(2, _partially_unused, timeout=10)
 

@@ -18,8 +18,15 @@ USER_MODEL = REPO / "examples" / "user_model.py"
 def gradsync(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run ``gradsync ARGS`` and capture its output (fails the test on timeout)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "gradsync", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def verify_outcomes(out: Path) -> list[dict[str, Any]]:

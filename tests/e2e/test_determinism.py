@@ -11,8 +11,19 @@ from tests.e2e.conftest import gradsync
 
 
 def test_rerun_is_bit_identical_with_dropout_on(workdir: Path) -> None:
-    args = ["train", "--model", "transformer", "--preset", "tiny", "--strategy", "allreduce",
-            "--workers", "2", "--steps", "10"]
+    args = [
+        "train",
+        "--model",
+        "transformer",
+        "--preset",
+        "tiny",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "10",
+    ]
     for out in ("first", "second"):
         result = gradsync(*args, "--out", out, cwd=workdir)
         assert result.returncode == 0, result.stderr
@@ -25,8 +36,17 @@ def test_rerun_is_bit_identical_with_dropout_on(workdir: Path) -> None:
 
 
 def test_different_seed_gives_different_parameters(workdir: Path) -> None:
-    args = ["train", "--model", "mnist-cnn", "--preset", "tiny", "--strategy", "single",
-            "--steps", "3"]
+    args = [
+        "train",
+        "--model",
+        "mnist-cnn",
+        "--preset",
+        "tiny",
+        "--strategy",
+        "single",
+        "--steps",
+        "3",
+    ]
     assert gradsync(*args, "--seed", "1", "--out", "s1", cwd=workdir).returncode == 0
     assert gradsync(*args, "--seed", "2", "--out", "s2", cwd=workdir).returncode == 0
     compare = gradsync("compare", "s1", "s2", cwd=workdir)

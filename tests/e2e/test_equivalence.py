@@ -18,9 +18,23 @@ MODELS = {
 @pytest.mark.parametrize("model", list(MODELS))
 def test_ddp_and_allreduce_match_single_after_20_sgd_steps(model: str, workdir: Path) -> None:
     out = workdir / "verify"
-    result = gradsync("verify", "--model", model, "--preset", "tiny", *MODELS[model],
-                      "--strategies", "ddp,allreduce", "--workers", "2,4", "--steps", "20",
-                      "--out", str(out), cwd=workdir)
+    result = gradsync(
+        "verify",
+        "--model",
+        model,
+        "--preset",
+        "tiny",
+        *MODELS[model],
+        "--strategies",
+        "ddp,allreduce",
+        "--workers",
+        "2,4",
+        "--steps",
+        "20",
+        "--out",
+        str(out),
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     outcomes = verify_outcomes(out)
     cells = {(o["strategy"], o["workers"]) for o in outcomes}
@@ -33,9 +47,24 @@ def test_ddp_and_allreduce_match_single_after_20_sgd_steps(model: str, workdir: 
 
 def test_adam_matches_within_documented_tolerance(workdir: Path) -> None:
     out = workdir / "verify"
-    result = gradsync("verify", "--model", "transformer", "--preset", "tiny", "--optimizer",
-                      "adam", "--strategies", "ddp,allreduce", "--workers", "2", "--steps", "20",
-                      "--out", str(out), cwd=workdir)
+    result = gradsync(
+        "verify",
+        "--model",
+        "transformer",
+        "--preset",
+        "tiny",
+        "--optimizer",
+        "adam",
+        "--strategies",
+        "ddp,allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "20",
+        "--out",
+        str(out),
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for outcome in verify_outcomes(out):
         assert outcome["tolerance"] == pytest.approx(0.25 * 1e-3 * 20)
@@ -44,9 +73,23 @@ def test_adam_matches_within_documented_tolerance(workdir: Path) -> None:
 
 def test_fp16_compression_is_reported_as_an_expected_difference(workdir: Path) -> None:
     out = workdir / "verify"
-    result = gradsync("verify", "--model", "mnist-cnn", "--preset", "tiny", "--fp16-compression",
-                      "--strategies", "allreduce", "--workers", "2", "--steps", "10",
-                      "--out", str(out), cwd=workdir)
+    result = gradsync(
+        "verify",
+        "--model",
+        "mnist-cnn",
+        "--preset",
+        "tiny",
+        "--fp16-compression",
+        "--strategies",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "10",
+        "--out",
+        str(out),
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     allreduce = next(o for o in verify_outcomes(out) if o["strategy"] == "allreduce")
     assert allreduce["verdict"] in ("match", "differs (expected)")
@@ -62,8 +105,20 @@ def test_compare_flags_a_real_difference(workdir: Path) -> None:
 
     common = ["--model", "mnist-cnn", "--preset", "tiny", "--steps", "5"]
     a = gradsync("train", *common, "--strategy", "single", "--out", "a", cwd=workdir)
-    b = gradsync("train", *common, "--strategy", "allreduce", "--workers", "2", "--lr", "0.06",
-                 "--deterministic", "--out", "b", cwd=workdir)
+    b = gradsync(
+        "train",
+        *common,
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--lr",
+        "0.06",
+        "--deterministic",
+        "--out",
+        "b",
+        cwd=workdir,
+    )
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     diff = worst(diff_checkpoints(load_checkpoint(workdir / "a"), load_checkpoint(workdir / "b")))
     assert diff.max_abs > 1e-4

@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.conftest import gradsync
 
 
-def _wait_for(predicate, timeout: float) -> None:  # noqa: ANN001
+def _wait_for(predicate, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -27,9 +27,29 @@ def _wait_for(predicate, timeout: float) -> None:  # noqa: ANN001
 
 def test_sigkilled_rank_ends_the_job_naming_it(workdir: Path) -> None:
     job = subprocess.Popen(
-        [sys.executable, "-m", "gradsync", "train", "--model", "lstm-lm", "--preset", "tiny",
-         "--strategy", "allreduce", "--workers", "2", "--steps", "100000", "--out", "run"],
-        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "gradsync",
+            "train",
+            "--model",
+            "lstm-lm",
+            "--preset",
+            "tiny",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--steps",
+            "100000",
+            "--out",
+            "run",
+        ],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         metrics = workdir / "run" / "metrics" / "rank1.jsonl"
         _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, timeout=60)
@@ -50,17 +70,24 @@ def test_sigkilled_rank_ends_the_job_naming_it(workdir: Path) -> None:
 
 BAD_INPUTS = {
     "unknown model": (["train", "--model", "resnet", "--steps", "1"], "unknown model 'resnet'"),
-    "unknown strategy": (["train", "--strategy", "gossip", "--steps", "1"],
-                         "unknown strategy 'gossip'"),
-    "indivisible batch": (["train", "--model", "mnist-cnn", "--workers", "3", "--global-batch",
-                           "8", "--steps", "1"], "does not divide by --workers 3"),
-    "missing data": (["train", "--model", "mnist-cnn", "--data", "no/such/dir", "--steps", "1"],
-                     "no/such/dir does not exist"),
+    "unknown strategy": (
+        ["train", "--strategy", "gossip", "--steps", "1"],
+        "unknown strategy 'gossip'",
+    ),
+    "indivisible batch": (
+        ["train", "--model", "mnist-cnn", "--workers", "3", "--global-batch", "8", "--steps", "1"],
+        "does not divide by --workers 3",
+    ),
+    "missing data": (
+        ["train", "--model", "mnist-cnn", "--data", "no/such/dir", "--steps", "1"],
+        "no/such/dir does not exist",
+    ),
     "unknown preset": (["train", "--model", "vgg16", "--preset", "huge"], "unknown preset"),
-    "bad model option": (["train", "--model", "lstm-lm", "--model-option", "sparse=maybe"],
-                         "sparse"),
-    "single with workers": (["train", "--strategy", "single", "--workers", "2"],
-                            "--workers 1"),
+    "bad model option": (
+        ["train", "--model", "lstm-lm", "--model-option", "sparse=maybe"],
+        "sparse",
+    ),
+    "single with workers": (["train", "--strategy", "single", "--workers", "2"], "--workers 1"),
     "bad flag": (["train", "--workers", "zero"], "not an integer"),
     "unknown optimizer": (["train", "--optimizer", "lamb"], "unknown optimizer"),
 }
@@ -81,16 +108,42 @@ def test_port_in_use_is_a_user_error(workdir: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--workers", "2",
-                          "--master-port", str(port), "--steps", "1", "--out", "run",
-                          cwd=workdir, timeout=60)
+        result = gradsync(
+            "train",
+            "--model",
+            "mnist-cnn",
+            "--preset",
+            "tiny",
+            "--workers",
+            "2",
+            "--master-port",
+            str(port),
+            "--steps",
+            "1",
+            "--out",
+            "run",
+            cwd=workdir,
+            timeout=60,
+        )
     assert result.returncode == 2
     assert f"--master-port {port}" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_corrupt_checkpoint_is_a_user_error(workdir: Path) -> None:
-    good = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--strategy", "single",
-                    "--steps", "1", "--out", "good", cwd=workdir)
+    good = gradsync(
+        "train",
+        "--model",
+        "mnist-cnn",
+        "--preset",
+        "tiny",
+        "--strategy",
+        "single",
+        "--steps",
+        "1",
+        "--out",
+        "good",
+        cwd=workdir,
+    )
     assert good.returncode == 0, good.stderr
     corrupt = workdir / "corrupt.safetensors"
     corrupt.write_bytes((workdir / "good" / "checkpoint.safetensors").read_bytes()[:100])
@@ -101,8 +154,20 @@ def test_corrupt_checkpoint_is_a_user_error(workdir: Path) -> None:
 
 def test_compare_of_different_models_is_a_user_error(workdir: Path) -> None:
     for model in ("mnist-cnn", "resnet56"):
-        run = gradsync("train", "--model", model, "--preset", "tiny", "--strategy", "single",
-                       "--steps", "1", "--out", model, cwd=workdir)
+        run = gradsync(
+            "train",
+            "--model",
+            model,
+            "--preset",
+            "tiny",
+            "--strategy",
+            "single",
+            "--steps",
+            "1",
+            "--out",
+            model,
+            cwd=workdir,
+        )
         assert run.returncode == 0, run.stderr
     result = gradsync("compare", "mnist-cnn", "resnet56", cwd=workdir, timeout=60)
     assert result.returncode == 2
@@ -115,7 +180,21 @@ def test_failing_rank_user_error_reaches_the_launcher_as_exit_2(workdir: Path) -
     data.mkdir()
     (data / "train-images-idx3-ubyte").write_bytes(b"not an idx file")
     (data / "train-labels-idx1-ubyte").write_bytes(b"nor this")
-    result = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--workers", "2",
-                      "--data", str(data), "--steps", "1", "--out", "run", cwd=workdir)
+    result = gradsync(
+        "train",
+        "--model",
+        "mnist-cnn",
+        "--preset",
+        "tiny",
+        "--workers",
+        "2",
+        "--data",
+        str(data),
+        "--steps",
+        "1",
+        "--out",
+        "run",
+        cwd=workdir,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("gradsync: error:") == 1, result.stderr

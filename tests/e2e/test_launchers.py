@@ -11,8 +11,17 @@ from pathlib import Path
 from gradsync.launch import free_port
 from tests.e2e.conftest import gradsync
 
-TRAIN = ["train", "--model", "mnist-cnn", "--preset", "tiny", "--strategy", "allreduce",
-         "--steps", "4"]
+TRAIN = [
+    "train",
+    "--model",
+    "mnist-cnn",
+    "--preset",
+    "tiny",
+    "--strategy",
+    "allreduce",
+    "--steps",
+    "4",
+]
 
 
 def _summary(out: Path) -> dict:
@@ -21,9 +30,26 @@ def _summary(out: Path) -> dict:
 
 def test_torchrun_provides_the_ranks(workdir: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "gradsync", *TRAIN, "--out", "run"],
-        cwd=workdir, capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "gradsync",
+            *TRAIN,
+            "--out",
+            "run",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "torchrun: intra-op threads 1" in result.stdout
     summary = _summary(workdir / "run")
@@ -32,25 +58,58 @@ def test_torchrun_provides_the_ranks(workdir: Path) -> None:
 
 def test_torchrun_world_size_mismatch_is_a_user_error(workdir: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "gradsync", *TRAIN, "--workers", "3",
-         "--out", "run"],
-        cwd=workdir, capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "gradsync",
+            *TRAIN,
+            "--workers",
+            "3",
+            "--out",
+            "run",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode != 0
     assert "torchrun started 2 processes but --workers 3" in result.stderr
 
 
 def _spawn_with_env(workdir: Path, envs: list[dict[str, str]], out: str) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-m", "gradsync", *TRAIN, "--out", out],
-                             cwd=workdir, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for env in envs]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "gradsync", *TRAIN, "--out", out],
+            cwd=workdir,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
 
 
 def test_open_mpi_environment(workdir: Path) -> None:
     port = str(free_port())
-    envs = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2",
-             "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-             "MASTER_PORT": port} for r in range(2)]
+    envs = [
+        {
+            "OMPI_COMM_WORLD_RANK": str(r),
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(r),
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_PORT": port,
+        }
+        for r in range(2)
+    ]
     processes = _spawn_with_env(workdir, envs, "mpi")
     outputs = [p.communicate(timeout=300) for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
@@ -58,10 +117,19 @@ def test_open_mpi_environment(workdir: Path) -> None:
 
 
 def test_slurm_srun_environment(workdir: Path) -> None:
-    envs = [{"SLURM_PROCID": str(r), "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": str(r),
-             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost",
-             "SLURM_JOB_ID": str(free_port() % 1000), "MASTER_ADDR": "127.0.0.1"}
-            for r in range(2)]
+    port = free_port()
+    envs = [
+        {
+            "SLURM_PROCID": str(r),
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_LOCALID": str(r),
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_STEP_NODELIST": "localhost",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        for r in range(2)
+    ]
     processes = _spawn_with_env(workdir, envs, "slurm")
     outputs = [p.communicate(timeout=300) for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
@@ -71,12 +139,33 @@ def test_slurm_srun_environment(workdir: Path) -> None:
 def test_two_nodes_with_gradsyncs_own_launcher(workdir: Path) -> None:
     """Two `gradsync train --nnodes 2` processes, one per node, meet at the master port."""
     port = str(free_port())
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "gradsync", *TRAIN, "--workers", "4", "--nnodes", "2",
-         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-         "--out", "nodes"],
-        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gradsync",
+                *TRAIN,
+                "--workers",
+                "4",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--out",
+                "nodes",
+            ],
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     summary = _summary(workdir / "nodes")
@@ -85,9 +174,22 @@ def test_two_nodes_with_gradsyncs_own_launcher(workdir: Path) -> None:
 
 def test_metrics_lines_carry_bytes_per_rank(workdir: Path) -> None:
     for strategy in ("ddp", "allreduce"):
-        result = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--strategy",
-                          strategy, "--workers", "2", "--steps", "3", "--out", strategy,
-                          cwd=workdir)
+        result = gradsync(
+            "train",
+            "--model",
+            "mnist-cnn",
+            "--preset",
+            "tiny",
+            "--strategy",
+            strategy,
+            "--workers",
+            "2",
+            "--steps",
+            "3",
+            "--out",
+            strategy,
+            cwd=workdir,
+        )
         assert result.returncode == 0, result.stderr
         for rank in (0, 1):
             lines = (workdir / strategy / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()

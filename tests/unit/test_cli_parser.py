@@ -304,12 +304,6 @@ def test_train_under_mpirun_with_wrong_worker_count(capsys, ranks_started, no_la
     assert ranks_started == []
 
 
-@pytest.mark.xfail(
-    reason="BUG: cmd_train calls detect_environment(master_addr=None, ...), so --master-addr is "
-    "ignored under torchrun/srun/mpirun, although the multi-node mpirun error tells the user "
-    "to pass it",
-    strict=True,
-)
 def test_master_addr_flag_reaches_the_rank_under_mpirun(ranks_started, tmp_path):
     code = main(
         [

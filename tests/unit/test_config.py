@@ -202,11 +202,6 @@ def test_from_json_validates():
         TrainConfig.from_json(json.dumps(raw))
 
 
-@pytest.mark.xfail(
-    reason="BUG: measure_warmup is not validated; a negative value makes stats.throughput "
-    "measure only the last |n| steps and report warmup_steps=n",
-    strict=True,
-)
 def test_negative_measure_warmup_is_a_user_error():
     with pytest.raises(UserError, match="--measure-warmup"):
         TrainConfig(measure_warmup=-3)

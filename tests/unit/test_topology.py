@@ -104,11 +104,6 @@ def test_slurm_batch_script_without_step_is_not_a_rank():
     assert detect_environment({"SLURM_PROCID": "0", "SLURM_JOB_ID": "5"}) is None
 
 
-@pytest.mark.xfail(
-    reason="BUG: under Slurm local_world_size is always the FIRST node's task count "
-    "(tasks_per_node[0]), not this node's, so uneven steps get wrong threads per rank",
-    strict=True,
-)
 def test_slurm_uneven_tasks_per_node_uses_this_nodes_count():
     # srun -n 4 -N 3: node0 runs ranks 0-1, node1 rank 2, node2 rank 3.
     env = detect_environment(

@@ -288,11 +288,6 @@ def test_missing_module_is_a_user_error(package):
         build_user_workload(f"{package}.absent:build", BuildRequest())
 
 
-@pytest.mark.xfail(
-    reason="BUG: for pkg.mod:fn only ImportError is caught, so a module that raises anything "
-    "else while importing (or has a syntax error) escapes as a traceback instead of a UserError",
-    strict=True,
-)
 @pytest.mark.parametrize("module", ["raising", "syntax"])
 def test_module_that_fails_to_import_is_a_user_error(package, module):
     with pytest.raises(UserError, match=f"{package}.{module}"):
