@@ -48,7 +48,12 @@ class AllreduceConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    """Where the ranks run: local processes, or one node of a multi-node job."""
+    """Where the ranks run: local processes, or one node of a multi-node job.
+
+    ``hosts`` > 0 runs the local ranks on that many emulated hosts (network namespaces,
+    see :mod:`gradsync.netem`), ``ranks_per_host`` per host, each host's link shaped to
+    ``bandwidth`` (tc notation, e.g. ``1gbit``) when given.
+    """
 
     num_nodes: int = 1
     node_rank: int = 0
@@ -57,6 +62,31 @@ class LaunchConfig:
     timeout_s: float = 300.0
     threads: int | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    hosts: int = 0
+    ranks_per_host: int | None = None
+    bandwidth: str | None = None
+
+    def __post_init__(self) -> None:
+        from gradsync.netem import MAX_HOSTS, parse_rate
+
+        if not 0 <= self.hosts <= MAX_HOSTS:
+            raise UserError(f"--hosts must be in 1..{MAX_HOSTS}, got {self.hosts}")
+        if self.ranks_per_host is not None and (self.ranks_per_host < 1 or not self.hosts):
+            raise UserError(
+                f"--ranks-per-host {self.ranks_per_host} needs --hosts H and a positive count"
+            )
+        if self.bandwidth is not None:
+            if not self.hosts:
+                raise UserError(
+                    f"--bandwidth {self.bandwidth} shapes the links of emulated hosts; "
+                    "add --hosts H (e.g. --hosts 2)"
+                )
+            parse_rate(self.bandwidth)
+        if self.hosts and self.num_nodes > 1:
+            raise UserError(
+                f"--hosts emulates hosts on one machine and cannot combine with --nnodes "
+                f"{self.num_nodes}; drop one of them"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
