@@ -97,6 +97,32 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
     comm.add_argument(
         "--fp16-compression", action="store_true", help="allreduce gradients as float16"
     )
+    ps = parser.add_argument_group("parameter servers (--strategy ps)")
+    ps.add_argument(
+        "--servers", type=int, help="dedicated server ranks after the workers (default 1)"
+    )
+    ps.add_argument(
+        "--colocate", action="store_true", help="every worker also serves a shard (no extra ranks)"
+    )
+    ps.add_argument(
+        "--async",
+        dest="async_updates",
+        action="store_true",
+        help="apply each push on arrival (TF 1.x asynchronous training)",
+    )
+    ps.add_argument(
+        "--staleness",
+        type=int,
+        metavar="K",
+        help="asynchronous, but no worker more than K steps ahead of the slowest (SSP)",
+    )
+    ps.add_argument("--placement", default="greedy", help="greedy (size-balanced) | round-robin")
+    ps.add_argument(
+        "--partition-threshold-mb",
+        type=float,
+        default=4.0,
+        help="variables larger than this are split across servers",
+    )
     run = parser.add_argument_group("launch and measurement")
     run.add_argument(
         "--threads",
@@ -125,6 +151,31 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument("--master-port", type=int)
 
 
+def _add_netem_options(parser: argparse.ArgumentParser) -> None:
+    hosts = parser.add_argument_group(
+        "emulated hosts (network namespaces on this machine; needs root, ip and tc)"
+    )
+    hosts.add_argument(
+        "--hosts",
+        type=_positive_int,
+        default=0,
+        metavar="H",
+        help="run the ranks on H emulated hosts joined by a bridge (default: loopback)",
+    )
+    hosts.add_argument(
+        "--ranks-per-host",
+        type=_positive_int,
+        metavar="K",
+        help="rank r runs on host r // K (default: the ranks spread evenly)",
+    )
+    hosts.add_argument(
+        "--bandwidth",
+        metavar="RATE",
+        help="shape each host's link to RATE in and out, e.g. 1gbit, 200mbit (tc tbf); "
+        "latency is not emulated (this kernel has no netem qdisc)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gradsync",
@@ -150,18 +201,36 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--deterministic", action="store_true", help="disable dropout, as verify does"
     )
+    train.add_argument("--timeline", metavar="PATH", help="write a Chrome-trace timeline")
+    train.add_argument(
+        "--timeline-steps", metavar="A:B", help="record only steps A <= step < B (default: all)"
+    )
     _add_model_options(train, default_steps=50)
     _add_node_options(train)
+    _add_netem_options(train)
 
     verify = commands.add_parser("verify", help="check strategies against single")
     verify.add_argument("--strategies", help="comma-separated (default: every registered one)")
     verify.add_argument("--workers", type=_int_list, default=[2], help="e.g. 2,4")
     _add_model_options(verify, default_steps=20)
+    _add_netem_options(verify)
 
     demo = commands.add_parser("demo", help="quick side-by-side comparison of every strategy")
     demo.add_argument("--workers", type=_positive_int, default=2)
     _add_model_options(demo, default_steps=30)
 
+    _add_commbench_parser(commands)
+    netem = commands.add_parser("netem", help="emulated hosts: clean up after killed runs")
+    netem.add_argument(
+        "action",
+        choices=["cleanup", "list"],
+        help="cleanup: delete the namespaces of runs whose launcher is gone; list: show runs",
+    )
+    timeline = commands.add_parser("timeline", help="analyse a --timeline trace")
+    timeline.add_argument("action", choices=["summarize"])
+    timeline.add_argument("traces", nargs="+", help="Chrome-trace files from --timeline")
+    timeline.add_argument("--step", type=int, help="step drawn in the Gantt chart (default: "
+                          "rank 0's median-length step)")
     compare = commands.add_parser("compare", help="compare checkpoints tensor by tensor")
     compare.add_argument("checkpoints", nargs="+", help="reference first, then the others")
     compare.add_argument("--tolerance", type=float, default=1e-5, help="max abs difference")
@@ -169,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, **overrides: object):
-    from gradsync.config import AllreduceConfig, LaunchConfig, OptimConfig, TrainConfig
+    from gradsync.config import AllreduceConfig, LaunchConfig, OptimConfig, PSConfig, TrainConfig
 
     launch = LaunchConfig(
         num_nodes=getattr(args, "nnodes", 1),
@@ -179,6 +248,9 @@ def _config(args: argparse.Namespace, **overrides: object):
         timeout_s=args.timeout,
         threads=args.threads,
         device=args.device,
+        hosts=getattr(args, "hosts", 0),
+        ranks_per_host=getattr(args, "ranks_per_host", None),
+        bandwidth=getattr(args, "bandwidth", None),
     )
     optim = OptimConfig(
         name=args.optimizer,
@@ -203,6 +275,14 @@ def _config(args: argparse.Namespace, **overrides: object):
         allreduce=AllreduceConfig(
             fusion_threshold_mb=args.fusion_threshold_mb, fp16_compression=args.fp16_compression
         ),
+        ps=PSConfig(
+            servers=args.servers,
+            colocate=args.colocate,
+            async_updates=args.async_updates,
+            staleness=args.staleness,
+            placement=args.placement,
+            partition_threshold_mb=args.partition_threshold_mb,
+        ),
     )
     fields.update(overrides)
     return TrainConfig(**fields)  # type: ignore[arg-type]
@@ -225,6 +305,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
+        timeline=args.timeline,
+        timeline_steps=args.timeline_steps,
     )
     if env is None or env.launcher == "gradsync":
         config = _config(args, workers=args.workers or 1, **common)
@@ -235,6 +317,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     # Under torchrun / srun / mpirun: this process is one rank of the launcher's job.
+    if args.hosts:
+        raise UserError(f"--hosts emulates hosts under gradsync's own launcher, not {env.launcher}")
     servers = strategy_class(args.strategy).num_server_ranks
     workers = args.workers or env.world_size
     config = _config(args, workers=workers, **common)
@@ -309,7 +393,104 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_DIFFERS if beyond else EXIT_OK
 
 
+def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
+    from gradsync.commbench import DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, OPS
+
+    bench = commands.add_parser(
+        "commbench",
+        help="collective bandwidth vs message size (nccl-tests style)",
+        description="Time allreduce, reduce, broadcast, allgather and p2p (rank 0 → 1) over "
+        "message sizes; report time, algorithm and bus bandwidth (nccl-tests definitions).",
+    )
+    bench.add_argument("--workers", type=_positive_int, default=2, help="ranks (default 2)")
+    bench.add_argument(
+        "--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}"
+    )
+    bench.add_argument("--min-bytes", default=str(DEFAULT_MIN_BYTES), help="e.g. 4K (default)")
+    bench.add_argument("--max-bytes", default=str(DEFAULT_MAX_BYTES), help="e.g. 256M (default)")
+    bench.add_argument("--factor", type=int, default=2, choices=[2, 4], help="size step")
+    bench.add_argument("--sizes", help="explicit sizes instead of the sweep, e.g. 1M,16M")
+    bench.add_argument("--warmup", type=_positive_int, default=5, help="warm-up iterations")
+    bench.add_argument("--iters", type=_positive_int, default=20, help="timed iterations")
+    bench.add_argument(
+        "--time-budget",
+        type=float,
+        default=1.0,
+        help="seconds of timed iterations per size at most (fewer iterations on slow links)",
+    )
+    bench.add_argument("--threads", type=_positive_int, help="intra-op threads per rank")
+    bench.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
+    )
+    bench.add_argument("--master-port", type=int)
+    bench.add_argument("--out", help="results folder")
+    _add_netem_options(bench)
+
+
+def cmd_commbench(args: argparse.Namespace) -> int:
+    from gradsync.commbench import CommbenchConfig, parse_size, report, run_commbench, sizes_from
+    from gradsync.config import LaunchConfig
+
+    sizes = [parse_size(part) for part in args.sizes.split(",")] if args.sizes else None
+    config = CommbenchConfig(
+        workers=args.workers,
+        ops=tuple(op.strip() for op in args.ops.split(",") if op.strip()),
+        sizes=sizes_from(
+            sizes, parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor
+        ),
+        warmup_iters=args.warmup,
+        iters=args.iters,
+        time_budget_s=args.time_budget,
+        out=args.out or _timestamped("commbench"),
+        launch=LaunchConfig(
+            master_port=args.master_port,
+            timeout_s=args.timeout,
+            threads=args.threads,
+            device="cpu",
+            hosts=args.hosts,
+            ranks_per_host=args.ranks_per_host,
+            bandwidth=args.bandwidth,
+        ),
+    )
+    payload = run_commbench(config)
+    report(payload, Path(config.out))
+    return EXIT_OK
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from gradsync.timeline_summary import gantt, print_summary, summarize_trace, write_summary
+
+    for trace in map(Path, args.traces):
+        summary = summarize_trace(trace)
+        print_summary(summary)
+        out_json = trace.with_name(trace.stem + ".summary.json")
+        out_png = trace.with_name(trace.stem + ".gantt.png")
+        write_summary(summary, out_json)
+        step = gantt(trace, out_png, step=args.step)
+        print(f"summary in {out_json}; Gantt chart of step {step} in {out_png}")
+    return EXIT_OK
+
+
+def cmd_netem(args: argparse.Namespace) -> int:
+    from gradsync import netem
+
+    if args.action == "list":
+        runs = netem.find_runs()
+        for run in runs:
+            owner = f"launcher pid {run.owner_pid}" if run.owner_pid else "no state file"
+            state = "live" if run.alive else "left over"
+            print(f"gs{run.run_id}: {state} ({owner}): {' '.join(run.namespaces) or '-'}")
+        print(f"{len(runs)} emulated-network run(s)")
+        return EXIT_OK
+    removed = netem.cleanup()
+    for run in removed:
+        print(f"removed gs{run.run_id}: {' '.join(run.namespaces) or '(state file only)'}")
+    print(f"{len(removed)} left-over run(s) cleaned up")
+    return EXIT_OK
+
+
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "demo": cmd_demo, "compare": cmd_compare}
+COMMANDS.update(commbench=cmd_commbench, netem=cmd_netem, timeline=cmd_timeline)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

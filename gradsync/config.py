@@ -46,6 +46,61 @@ class AllreduceConfig:
     fp16_compression: bool = False
 
 
+PLACEMENTS = ("greedy", "round-robin")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSConfig:
+    """Parameter servers (strategy ``ps``).
+
+    ``servers`` dedicated server ranks (None: 1, or none with ``colocate``, where every
+    worker also serves a shard). ``async_updates`` applies each push on arrival;
+    ``staleness`` k bounds it (Stale Synchronous Parallel, Ho et al. 2013) and implies it.
+    Variables above ``partition_threshold_mb`` are split across servers.
+    """
+
+    servers: int | None = None
+    colocate: bool = False
+    async_updates: bool = False
+    staleness: int | None = None
+    placement: str = "greedy"
+    partition_threshold_mb: float = 4.0
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.async_updates or self.staleness is not None
+
+    def num_servers(self, workers: int) -> int:
+        """Server shards in the job: one per worker when colocated."""
+        return workers if self.colocate else (1 if self.servers is None else self.servers)
+
+    def check(self, workers: int) -> None:
+        """UserError on an impossible parameter-server topology."""
+        if self.colocate and self.servers is not None:
+            raise UserError(
+                f"--servers {self.servers} with --colocate: colocated servers run inside the "
+                f"{workers} workers; drop --servers or --colocate"
+            )
+        if self.servers is not None and self.servers < 1:
+            raise UserError(
+                f"--servers {self.servers} leaves no parameter server; use --servers 1 or "
+                "more, or --colocate to serve from the workers"
+            )
+        if self.staleness is not None and self.staleness < 1:
+            raise UserError(
+                f"--staleness {self.staleness} is lock-step, which is the synchronous mode "
+                "(the default): omit --staleness, or use 1 or more"
+            )
+        if self.placement not in PLACEMENTS:
+            raise UserError(
+                f"unknown --placement '{self.placement}'; choose one of: {', '.join(PLACEMENTS)}"
+            )
+        if not self.partition_threshold_mb > 0:
+            raise UserError(
+                f"--partition-threshold-mb must be > 0, got {self.partition_threshold_mb}"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """Where the ranks run: local processes, or one node of a multi-node job.
@@ -113,11 +168,21 @@ class TrainConfig:
     measure_warmup: int | None = None
     checkpoint_every: int = 0
     log_every: int | None = None
+    timeline: str | None = None
+    timeline_steps: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
+        if self.timeline_steps is not None:
+            from gradsync.trace import parse_window
+
+            try:
+                parse_window(self.timeline_steps)
+            except ValueError as error:
+                raise UserError(str(error)) from None
         _check_positive("--workers", self.workers)
         _check_positive("--steps", self.steps)
         if self.global_batch is not None:
@@ -153,6 +218,8 @@ class TrainConfig:
             raise UserError(
                 f"--fusion-threshold-mb must be >= 0, got {self.allreduce.fusion_threshold_mb}"
             )
+        if self.strategy == "ps":
+            self.ps.check(self.workers)
         launch = self.launch
         _check_positive("--nnodes", launch.num_nodes)
         if not 0 <= launch.node_rank < launch.num_nodes:
@@ -188,9 +255,10 @@ class TrainConfig:
     def from_json(cls, text: str) -> TrainConfig:
         raw = json.loads(text)
         return cls(
-            **{k: v for k, v in raw.items() if k not in ("optim", "allreduce", "launch")},
+            **{k: v for k, v in raw.items() if k not in ("optim", "allreduce", "ps", "launch")},
             optim=OptimConfig(**raw["optim"]),
             allreduce=AllreduceConfig(**raw["allreduce"]),
+            ps=PSConfig(**raw.get("ps", {})),
             launch=LaunchConfig(**raw["launch"]),
         )
 

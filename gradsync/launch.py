@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -20,17 +21,28 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from gradsync.checkpoint import atomic_write_text
-from gradsync.config import TrainConfig
+from gradsync.config import LaunchConfig, TrainConfig
 from gradsync.errors import JobFailed, UserError
+from gradsync.netem import EmulatedHosts, parse_rate, place_ranks
 from gradsync.strategies import world_size_of
 from gradsync.topology import DEFAULT_PORT, default_threads
 
 STDERR_TAIL_LINES = 15
 TERMINATE_GRACE_S = 5.0
 USER_ERROR_PREFIX = "gradsync: error: "
+
+
+class Job(Protocol):
+    """Any job config the launcher can start: the runtime dispatches on its ``kind``."""
+
+    @property
+    def launch(self) -> LaunchConfig: ...
+    @property
+    def out(self) -> str: ...
+    def to_json(self) -> str: ...
 
 
 @dataclass
@@ -73,9 +85,14 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def launch_local(config: TrainConfig, *, log_file: Path | None = None) -> None:
+def launch_local(
+    config: TrainConfig | Job, *, log_file: Path | None = None, world_size: int | None = None
+) -> None:
     """Run this node's ranks of ``config`` as child processes and wait for all of them.
 
+    ``config`` is a training job, or any job config the runtime knows (``kind``, ``launch``,
+    ``out``, ``to_json``; e.g. commbench's) with its ``world_size`` given. With
+    ``config.launch.hosts`` the ranks run on emulated hosts (:mod:`gradsync.netem`).
     ``log_file`` receives the ranks' stdout instead of the terminal (used by verify/demo).
     Raises JobFailed when a rank fails; a rank's UserError becomes a UserError here.
 
@@ -83,21 +100,31 @@ def launch_local(config: TrainConfig, *, log_file: Path | None = None) -> None:
         >>> # launch_local(TrainConfig(model="mnist-cnn", preset="tiny", strategy="ddp", workers=2))
     """
     launch = config.launch
-    world_size = world_size_of(config)
+    if world_size is None:
+        assert isinstance(config, TrainConfig), "pass world_size for a job other than training"
+        world_size = world_size_of(config)
     if world_size % launch.num_nodes:
         raise UserError(f"{world_size} ranks do not divide over --nnodes {launch.num_nodes}")
     local_size = world_size // launch.num_nodes
-    if launch.master_port is not None:
+    placement = None
+    if launch.hosts:
+        placement = place_ranks(world_size, launch.hosts, launch.ranks_per_host)
+    if placement is not None:
+        port = launch.master_port or DEFAULT_PORT  # a fresh namespace has every port free
+    elif launch.master_port is not None:
         port = launch.master_port
         if launch.node_rank == 0:
             check_port_free(launch.master_addr, port)
     else:
         port = free_port(launch.master_addr) if launch.num_nodes == 1 else DEFAULT_PORT
+    threads = launch.threads or default_threads(local_size)
+    if placement is not None:
+        # Emulated hosts share this machine's cores: pin threads for all local ranks.
+        config = dataclasses.replace(config, launch=dataclasses.replace(launch, threads=threads))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / f".launch-node{launch.node_rank}.json"
     atomic_write_text(config_path, config.to_json())
-    threads = launch.threads or default_threads(local_size)
     base_env = {
         **os.environ,
         "WORLD_SIZE": str(world_size),
@@ -110,30 +137,58 @@ def launch_local(config: TrainConfig, *, log_file: Path | None = None) -> None:
     }
     if launch.master_addr in ("127.0.0.1", "localhost"):
         base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    network = (
+        EmulatedHosts(max(placement) + 1, launch.bandwidth and parse_rate(launch.bandwidth))
+        if placement is not None
+        else contextlib.nullcontext()
+    )
     stdout: IO[bytes] | None = open(log_file, "ab") if log_file else None  # noqa: SIM115
     ranks: list[RankProcess] = []
     try:
-        for local_rank in range(local_size):
-            rank = launch.node_rank * local_size + local_rank
-            env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "gradsync.runtime", str(config_path)],
-                env=env,
-                stdout=stdout,
-                stderr=subprocess.PIPE,
-                preexec_fn=_die_with_parent,
+        with network as hosts:
+            if hosts is not None:
+                print(hosts.describe(), file=sys.stderr, flush=True)
+            for local_rank in range(local_size):
+                rank = launch.node_rank * local_size + local_rank
+                env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+                argv = [sys.executable, "-m", "gradsync.runtime", str(config_path)]
+                if hosts is not None and placement is not None:
+                    env.update(_emulated_host_env(hosts, placement, rank))
+                    argv = hosts.exec_argv(placement[rank], argv)
+                popen = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=stdout,
+                    stderr=subprocess.PIPE,
+                    preexec_fn=_die_with_parent,
+                )
+                ranks.append(_start_reader(RankProcess(rank, popen), echo=stdout is None))
+            atomic_write_text(
+                out / f"ranks-node{launch.node_rank}.json",
+                json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n",
             )
-            ranks.append(_start_reader(RankProcess(rank, popen), echo=stdout is None))
-        atomic_write_text(
-            out / f"ranks-node{launch.node_rank}.json",
-            json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n",
-        )
-        _watch(ranks)
+            try:
+                _watch(ranks)
+            finally:
+                _terminate(ranks)  # before the namespaces go
     finally:
         _terminate(ranks)
         if stdout is not None:
             stdout.close()
         config_path.unlink(missing_ok=True)
+
+
+def _emulated_host_env(hosts: EmulatedHosts, placement: list[int], rank: int) -> dict[str, str]:
+    """A rank's view of its emulated host: it is one node, with its own local ranks."""
+    host = placement[rank]
+    on_host = [r for r, h in enumerate(placement) if h == host]
+    return {
+        **hosts.rank_env(host),
+        "MASTER_ADDR": hosts.address(0),
+        "LOCAL_RANK": str(on_host.index(rank)),
+        "LOCAL_WORLD_SIZE": str(len(on_host)),
+        "GROUP_RANK": str(host),  # torchrun's name for the node index
+    }
 
 
 def _start_reader(process: RankProcess, *, echo: bool) -> RankProcess:

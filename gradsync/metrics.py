@@ -34,15 +34,36 @@ class StepRecord:
     lr: float
 
 
-class MetricsWriter:
-    """Appends :class:`StepRecord` lines to ``<out>/metrics/rank<r>.jsonl``, flushed per line."""
+@dataclass(frozen=True, kw_only=True)
+class ServerRecord:
+    """What one parameter server did for one step: bytes pushed to it and pulled from it.
 
-    def __init__(self, out_dir: Path, rank: int) -> None:
+    Written to ``metrics/server<rank>.jsonl`` (apart from the workers' lines, so throughput
+    and loss come from workers only); ``busy_s`` is the time spent applying updates.
+    """
+
+    step: int
+    rank: int
+    server: int
+    bytes_recv: int
+    bytes_sent: int
+    busy_s: float
+    step_time_s: float
+
+
+class MetricsWriter:
+    """Appends records to ``<out>/metrics/<prefix><r>.jsonl``, flushed per line.
+
+    Workers write :class:`StepRecord` lines (prefix ``rank``), parameter servers
+    :class:`ServerRecord` lines (prefix ``server``).
+    """
+
+    def __init__(self, out_dir: Path, rank: int, prefix: str = "rank") -> None:
         directory = out_dir / METRICS_DIR
         directory.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = open(directory / f"rank{rank}.jsonl", "w")  # noqa: SIM115
+        self._file: IO[str] = open(directory / f"{prefix}{rank}.jsonl", "w")  # noqa: SIM115
 
-    def write(self, record: StepRecord) -> None:
+    def write(self, record: StepRecord | ServerRecord) -> None:
         self._file.write(json.dumps(asdict(record)) + "\n")
         self._file.flush()
 
@@ -50,13 +71,13 @@ class MetricsWriter:
         self._file.close()
 
 
-def read_records(out_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """Every rank's step records, keyed by rank."""
+def read_records(out_dir: Path, prefix: str = "rank") -> dict[int, list[dict[str, Any]]]:
+    """Every worker rank's step records (or, with prefix "server", every server's), by rank."""
     records: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((out_dir / METRICS_DIR).glob("rank*.jsonl")):
+    for path in sorted((out_dir / METRICS_DIR).glob(f"{prefix}*.jsonl")):
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if lines:
-            records[int(path.stem.removeprefix("rank"))] = lines
+            records[int(path.stem.removeprefix(prefix))] = lines
     return records
 
 
@@ -116,6 +137,17 @@ def summarize(
         "bytes_sent_per_step": _mean(v["bytes_sent_per_step"] for v in per_rank.values()),
         "ranks": per_rank,
     }
+    servers = read_records(out_dir, "server")
+    if servers:  # parameter servers: bytes per step each, to show load imbalance
+        summary["servers"] = {
+            rank: {
+                "server": lines[0]["server"],
+                "bytes_recv_per_step": _mean(r["bytes_recv"] for r in lines if r["step"] in measured),
+                "bytes_sent_per_step": _mean(r["bytes_sent"] for r in lines if r["step"] in measured),
+                "busy_s_per_step": _mean(r["busy_s"] for r in lines if r["step"] in measured),
+            }
+            for rank, lines in servers.items()
+        }
     atomic_write_text(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gradsync.config import OptimConfig
+from gradsync.trace import COMPUTE, NullTimeline, Phase
 
 
 def effective_lr(config: OptimConfig, global_batch: int, base_batch: int) -> float:
@@ -35,8 +36,16 @@ class Updater:
         >>> model(torch.ones(1, 2)).sum().backward(); updater.update()
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], config: OptimConfig, *, lr: float) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        config: OptimConfig,
+        *,
+        lr: float,
+        timeline: NullTimeline | None = None,
+    ) -> None:
         params = list(params)
+        self.timeline = timeline or NullTimeline()
         if config.name == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -50,8 +59,24 @@ class Updater:
         )
 
     def update(self) -> None:
+        with self.timeline.span(COMPUTE, Phase.OPTIMIZER_STEP):
+            self.optimizer.step()
+            self.schedule.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def update_at(self, step: int) -> None:
+        """Update with the learning rate the schedule gives ``step``, then zero the grads.
+
+        Parameter servers use it: asynchronous pushes arrive out of step order.
+        """
+        for group, base, factor in zip(
+            self.optimizer.param_groups,
+            self.schedule.base_lrs,
+            self.schedule.lr_lambdas,
+            strict=True,
+        ):
+            group["lr"] = base * factor(step)
         self.optimizer.step()
-        self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     @property

@@ -6,16 +6,18 @@ Started by gradsync's launcher (``python -m gradsync.runtime CONFIG``), or direc
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import atomic_write_text, model_state, save_checkpoint
+from gradsync.checkpoint import atomic_write_text, save_checkpoint
 from gradsync.comm.batchnorm import convert_batchnorm
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed
@@ -24,8 +26,9 @@ from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import build_workload
 from gradsync.optim import Updater, effective_lr
 from gradsync.progress import StepProgress
-from gradsync.strategies import Context, strategy_class
+from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
+from gradsync.trace import merge_rank_files, open_timeline
 from gradsync.trainer import train
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -62,8 +65,21 @@ def _train_and_record(
     config: TrainConfig, env: RankEnv, device: torch.device, threads: int
 ) -> None:
     out = Path(config.out)
+    timeline = open_timeline(out, path=config.timeline, window_text=config.timeline_steps,
+                             rank=env.rank, world_size=env.world_size, role="worker")
     strategy = strategy_class(config.strategy)()
     num_workers = config.workers
+    # Server ranks (strategies that have them) come after the workers. new_group is
+    # collective: every rank creates the worker group, even the servers.
+    worker_group = (
+        dist.new_group(list(range(num_workers)))
+        if dist.is_initialized() and env.world_size > num_workers
+        else None
+    )
+    if env.rank >= num_workers:  # a dedicated server: no model, no data, no trainer
+        timeline.close()
+        _serve(config, env, strategy, device, worker_group)
+        return
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     workload = build_workload(
@@ -76,7 +92,7 @@ def _train_and_record(
     )
     global_batch = config.global_batch or workload.global_batch
     model = workload.model.to(device)
-    if num_workers > 1 and convert_batchnorm(model, group=None) and env.rank == 0:
+    if num_workers > 1 and convert_batchnorm(model, group=worker_group) and env.rank == 0:
         print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
     torch.manual_seed(mix_seed(config.seed, env.rank))  # dropout differs per rank, reproducibly
 
@@ -89,8 +105,10 @@ def _train_and_record(
         worker_index=env.rank,
         num_workers=num_workers,
         device=device,
-        worker_group=None,
-        make_updater=lambda params: Updater(params, config.optim, lr=lr),
+        worker_group=worker_group,
+        make_updater=lambda params: Updater(params, config.optim, lr=lr, timeline=timeline),
+        timeline=timeline,
+        lr=lr,
     )
     if env.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -120,9 +138,14 @@ def _train_and_record(
     with progress:
         train(workload, strategy, context, global_batch=global_batch, on_step=on_step)
     writer.close()
+    timeline.close()
     _write_checkpoint(strategy, out, {**meta, "step": config.steps})
+    strategy.finish()
     if dist.is_initialized():
         dist.barrier()  # every rank's metrics are on disk before rank 0 summarizes
+    if env.rank == 0 and config.timeline is not None:
+        count = merge_rank_files(out, Path(config.timeline), {**meta, "steps": config.steps})
+        print(f"[rank 0] timeline: {count} events in {config.timeline}", flush=True)
     if env.rank == 0:
         summary = summarize(
             out,
@@ -143,11 +166,30 @@ def _train_and_record(
         )
 
 
-def _write_checkpoint(strategy: object, out: Path, meta: dict[str, object]) -> None:
-    state = strategy.checkpoint_state()  # type: ignore[attr-defined]
-    if state is not None:
-        model, optimizer = state
-        save_checkpoint(out / CHECKPOINT_FILE, model_state(model, optimizer), meta)
+def _serve(
+    config: TrainConfig, env: RankEnv, strategy: Strategy, device: torch.device, worker_group: Any
+) -> None:
+    """A dedicated server rank: serve until every worker is done (it writes its own metrics)."""
+    context = Context(
+        config=config,
+        rank=env.rank,
+        world_size=env.world_size,
+        worker_index=-1,
+        num_workers=config.workers,
+        device=device,
+        worker_group=worker_group,
+        # Unused: servers build their optimizer with the scaled lr worker 0 sends them.
+        make_updater=lambda params: Updater(params, config.optim, lr=config.optim.base_lr()),
+        role="server",
+    )
+    strategy.serve(context)
+    dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
+
+
+def _write_checkpoint(strategy: Strategy, out: Path, meta: dict[str, object]) -> None:
+    tensors = strategy.checkpoint_tensors()
+    if tensors is not None:
+        save_checkpoint(out / CHECKPOINT_FILE, tensors, meta)
 
 
 def _device(config: TrainConfig, env: RankEnv) -> torch.device:
@@ -165,12 +207,17 @@ def main(argv: list[str]) -> int:
     """Entry point of one rank started by gradsync's launcher."""
     from gradsync.topology import detect_environment
 
-    config = TrainConfig.from_json(Path(argv[0]).read_text())
+    text = Path(argv[0]).read_text()
     try:
         env = detect_environment()
         if env is None:
             raise UserError("gradsync.runtime is started by the launcher; use gradsync train")
-        run_rank(config, env)
+        if json.loads(text).get("kind") == "commbench":  # a job other than training
+            from gradsync import commbench
+
+            commbench.run_rank(commbench.CommbenchConfig.from_json(text), env)
+        else:
+            run_rank(TrainConfig.from_json(text), env)
     except UserError as error:
         print(f"gradsync: error: {error}", file=sys.stderr, flush=True)
         return 2

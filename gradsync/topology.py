@@ -36,9 +36,12 @@ class RankEnv:
     local_world_size: int
     master_addr: str
     master_port: int
+    group_rank: int | None = None  # the node's index where the launcher says (GROUP_RANK)
 
     @property
     def node_rank(self) -> int:
+        if self.group_rank is not None:  # nodes may hold different numbers of ranks
+            return self.group_rank
         return self.rank // self.local_world_size
 
     @property
@@ -85,6 +88,7 @@ def _from_torchrun(env: Mapping[str, str], addr: str | None, port: int | None) -
         local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size),
         master_addr=addr or env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT),
+        group_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else None,
     )
 
 

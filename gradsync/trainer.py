@@ -13,6 +13,7 @@ from gradsync.data.base import shard_bounds
 from gradsync.metrics import StepRecord
 from gradsync.models.base import Workload
 from gradsync.strategies.base import Context, Strategy
+from gradsync.trace import COMPUTE, Phase
 
 
 def train(
@@ -29,21 +30,27 @@ def train(
         >>> # train(workload, SingleProcess(), context, global_batch=32, on_step=print)
     """
     config = context.config
+    timeline = context.timeline
     module = strategy.setup(workload.model, context)
+    timeline.instrument_forward(workload.model)
     module.train()
     # Worker k of N takes the k-th contiguous shard of every step's global batch.
     start, stop = shard_bounds(global_batch, context.num_workers, context.worker_index)
     before = strategy.stats()
     for step in range(config.steps):
+        timeline.start_step(step)
         started = time.perf_counter()
         batch = workload.dataset.batch(step=step, size=global_batch, start=start, stop=stop)
         batch = batch.to(context.device)
-        output = module(*batch.inputs, **batch.shared)
-        loss = workload.loss(output, batch.targets)
-        loss.backward()
+        with timeline.span(COMPUTE, Phase.FORWARD):
+            output = module(*batch.inputs, **batch.shared)
+            loss = workload.loss(output, batch.targets)
+        with timeline.span(COMPUTE, Phase.BACKWARD):
+            loss.backward()
         # Sync point: communication completes and the parameters are updated here.
         strategy.step()
         elapsed = time.perf_counter() - started
+        timeline.record_step(step, started, elapsed)
 
         after = strategy.stats()
         on_step(
@@ -56,7 +63,7 @@ def train(
                 bytes_sent=after.bytes_sent - before.bytes_sent,
                 bytes_recv=after.bytes_recv - before.bytes_recv,
                 exposed_comm_s=after.exposed_comm_s - before.exposed_comm_s,
-                lr=strategy.updater.lr if strategy.updater else 0.0,
+                lr=strategy.current_lr(),
             )
         )
         before = after

@@ -19,13 +19,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.comm.counters import CommStats
+from gradsync.trace import COMPUTE, NullTimeline, Phase
 
 
 @dataclass
 class Bucket:
     """Parameters whose gradients travel together in one flat buffer."""
 
+    name: str
     params: list[nn.Parameter]
+    names: list[str]
     offsets: list[int]
     buffer: Tensor
     pending: int = 0
@@ -79,6 +82,8 @@ class FusedAllreduce:
         self,
         params: Sequence[nn.Parameter],
         *,
+        names: Sequence[str] | None = None,
+        timeline: NullTimeline | None = None,
         threshold_bytes: int,
         group: Any,
         world_size: int,
@@ -89,10 +94,12 @@ class FusedAllreduce:
         self.world_size = world_size
         self.stats = stats
         self.wire_dtype = torch.float16 if fp16 else None
+        self.timeline = timeline or NullTimeline()
+        names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
         self.buckets: list[Bucket] = []
         self._next_launch = 0
         self._slot: dict[int, tuple[Bucket, int]] = {}
-        for indices in plan_buckets(params, threshold_bytes):
+        for number, indices in enumerate(plan_buckets(params, threshold_bytes)):
             members = [params[i] for i in indices]
             offsets, total = [], 0
             for param in members:
@@ -100,7 +107,11 @@ class FusedAllreduce:
                 total += param.numel()
             dtype = self.wire_dtype or members[0].dtype
             bucket = Bucket(
-                members, offsets, torch.zeros(total, dtype=dtype, device=members[0].device)
+                f"bucket{number}",
+                members,
+                [names[i] for i in indices],
+                offsets,
+                torch.zeros(total, dtype=dtype, device=members[0].device),
             )
             bucket.reset()
             self.buckets.append(bucket)
@@ -126,6 +137,13 @@ class FusedAllreduce:
             self._next_launch += 1
 
     def _copy_in(self, bucket: Bucket, position: int) -> None:
+        if not bucket.filled:
+            self.timeline.begin(bucket.name, Phase.QUEUE, tensor=bucket.name)
+        with self.timeline.span(bucket.name, Phase.MEMCPY_IN_FUSION_BUFFER,
+                                tensor=bucket.names[position]):
+            self._copy_grad(bucket, position)
+
+    def _copy_grad(self, bucket: Bucket, position: int) -> None:
         param = bucket.params[position]
         start = bucket.offsets[position]
         view = bucket.buffer[start : start + param.numel()]
@@ -138,10 +156,26 @@ class FusedAllreduce:
         bucket.filled.add(position)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        self.stats.add_allreduce(
-            bucket.buffer.numel() * bucket.buffer.element_size(), self.world_size
-        )
+        num_bytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        self.timeline.end(bucket.name, Phase.QUEUE)
+        self.timeline.begin(bucket.name, Phase.ALLREDUCE, tensor=bucket.name, bytes=num_bytes,
+                            tensors=len(bucket.params))
+        work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        if self.timeline.enabled:
+            # The end is stamped when the allreduce completes, not when step() waits for it.
+            work = work.get_future().then(
+                lambda _: self.timeline.end(bucket.name, Phase.ALLREDUCE))
+        bucket.work = work
+        self.stats.add_allreduce(num_bytes, self.world_size)
+
+    def _copy_out(self, bucket: Bucket) -> None:
+        bucket.buffer.div_(self.world_size)
+        for param, start in zip(bucket.params, bucket.offsets, strict=True):
+            averaged = bucket.buffer[start : start + param.numel()].view_as(param)
+            if param.grad is None or param.grad.is_sparse:
+                param.grad = averaged.to(param.dtype, copy=True)
+            else:
+                param.grad.copy_(averaged)
 
     def finish(self) -> None:
         """Wait for every bucket, write averaged gradients into ``param.grad``, reset."""
@@ -154,13 +188,10 @@ class FusedAllreduce:
             self._launch(bucket)
         self._next_launch = 0
         for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.buffer.div_(self.world_size)
-            for param, start in zip(bucket.params, bucket.offsets, strict=True):
-                averaged = bucket.buffer[start : start + param.numel()].view_as(param)
-                if param.grad is None or param.grad.is_sparse:
-                    param.grad = averaged.to(param.dtype, copy=True)
-                else:
-                    param.grad.copy_(averaged)
+            with self.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor=bucket.name):
+                bucket.work.wait()
+            with self.timeline.span(bucket.name, Phase.MEMCPY_OUT_FUSION_BUFFER,
+                                    tensor=bucket.name):
+                self._copy_out(bucket)
             bucket.reset()
         self.stats.exposed_comm_s += time.perf_counter() - started

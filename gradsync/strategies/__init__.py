@@ -2,20 +2,21 @@
 
 Example:
     >>> sorted(STRATEGIES)
-    ['allreduce', 'ddp', 'single']
+    ['allreduce', 'ddp', 'ps', 'single']
 """
 
 from __future__ import annotations
 
-from gradsync.config import TrainConfig
+from gradsync.config import PSConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.strategies.allreduce import HorovodAllreduce
 from gradsync.strategies.base import Context, Strategy
 from gradsync.strategies.ddp import NativeDDP
+from gradsync.strategies.ps import ParameterServer
 from gradsync.strategies.single import SingleProcess
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (SingleProcess, NativeDDP, HorovodAllreduce)
+    cls.name: cls for cls in (SingleProcess, NativeDDP, HorovodAllreduce, ParameterServer)
 }
 
 
@@ -41,6 +42,11 @@ def check_strategy(config: TrainConfig) -> None:
         raise UserError(
             f"strategy 'single' runs one process on the whole global batch, but "
             f"--workers is {config.workers}; use --workers 1 or another strategy"
+        )
+    if config.strategy != "ps" and config.ps != PSConfig():
+        raise UserError(
+            f"--servers/--colocate/--async/--staleness/--placement apply to --strategy ps, "
+            f"not '{config.strategy}'; drop them or use --strategy ps"
         )
 
 

@@ -24,8 +24,11 @@ class HorovodAllreduce(Strategy):
         self.context, self.model = context, model
         broadcast_parameters(model, context.worker_group)
         options = context.config.allreduce
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.fused = FusedAllreduce(
-            [p for p in model.parameters() if p.requires_grad],
+            [p for _, p in named],
+            names=[name for name, _ in named],
+            timeline=context.timeline,
             threshold_bytes=int(options.fusion_threshold_mb * 2**20),
             group=context.worker_group,
             world_size=context.num_workers,

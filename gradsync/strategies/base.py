@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.checkpoint import model_state
 from gradsync.comm.counters import CommStats
 from gradsync.config import TrainConfig
 from gradsync.optim import Updater
+from gradsync.trace import NullTimeline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,10 @@ class Context:
     """What a strategy needs to know about the job, built by the runtime.
 
     ``worker_group`` is the process group of the worker ranks (None = the default group).
+    ``timeline`` records phases for ``--timeline`` (a no-op when recording is off).
+    ``role`` is "worker" or "server" (a dedicated server rank: no model, no data); ``lr``
+    is the peak learning rate after batch-size scaling (0.0 on server ranks, which learn
+    it from worker 0).
     """
 
     config: TrainConfig
@@ -40,6 +46,9 @@ class Context:
     device: torch.device
     worker_group: Any
     make_updater: Callable[[Iterable[nn.Parameter]], Updater]
+    timeline: NullTimeline = field(default_factory=NullTimeline)
+    role: str = "worker"
+    lr: float = 0.0
 
 
 class Strategy(ABC):
@@ -68,9 +77,21 @@ class Strategy(ABC):
     def step(self) -> None:
         """After backward: complete communication and update the parameters."""
 
-    def serve(self) -> None:
+    def serve(self, context: Context) -> None:
         """Server ranks only: serve workers until they finish."""
         raise NotImplementedError(f"strategy '{self.name}' has no server ranks")
+
+    def finish(self) -> None:
+        """After the last step and the final checkpoint: release servers, threads, peers."""
+
+    def current_lr(self) -> float:
+        """The learning rate of the last update (for the metrics)."""
+        return self.updater.lr if self.updater is not None else 0.0
+
+    @classmethod
+    def is_synchronous(cls, config: TrainConfig) -> bool:
+        """Whether this configuration must reproduce ``single`` (``verify`` holds it to that)."""
+        return cls.synchronous
 
     def stats(self) -> CommStats:
         """Cumulative bytes and exposed communication time of this rank."""
@@ -95,6 +116,11 @@ class Strategy(ABC):
         if self.context.worker_index != 0:
             return None
         return self.model, self.updater.optimizer
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor] | None:
+        """``param/``, ``buffer/`` and ``optim/`` tensors to save from this rank, or None."""
+        state = self.checkpoint_state()
+        return None if state is None else model_state(*state)
 
 
 def broadcast_parameters(model: nn.Module, group: Any = None) -> None:

@@ -1,0 +1,401 @@
+"""``gradsync commbench``: collective bandwidth over message sizes, the nccl-tests of gradsync.
+
+Each operation runs at each size: warm-up iterations, then timed ones between barriers; the
+time of a size is the slowest rank's mean per operation. Bandwidths follow nccl-tests
+(``doc/PERFORMANCE.md``): the *algorithm bandwidth* is ``size / time``; the *bus bandwidth*
+``algbw · factor`` is what each rank's link carried, comparable with the link rate whatever
+the number of ranks:
+
+=========== ================ ===============================================
+operation   factor           size means
+=========== ================ ===============================================
+allreduce   2(n−1)/n         the tensor on each rank
+allgather   (n−1)/n          the gathered tensor (each rank contributes size/n)
+reduce      1                the tensor on each rank (to rank 0)
+broadcast   1                the tensor (from rank 0)
+p2p         1                the tensor rank 0 sends to rank 1
+=========== ================ ===============================================
+
+Ranks are started by the usual launcher (:func:`gradsync.launch.launch_local`) with a job of
+``kind = "commbench"``; they run on loopback or on emulated hosts (``--hosts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from gradsync.checkpoint import atomic_write_text
+from gradsync.config import LaunchConfig
+from gradsync.errors import UserError
+from gradsync.tables import markdown_table, print_table
+from gradsync.topology import RankEnv, default_threads
+
+RESULTS_FILE = "commbench.json"
+PLOT_FILE = "commbench.png"
+TABLE_FILE = "commbench.md"
+LOG_FILE = "stdout.log"
+ELEMENT_BYTES = 4  # float32
+DEFAULT_MIN_BYTES = 4 * 1024
+DEFAULT_MAX_BYTES = 256 * 1024**2
+
+
+def busbw_factor(op: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor of ``op`` over ``world_size`` ranks.
+
+    Example:
+        >>> busbw_factor("allreduce", 4), busbw_factor("allgather", 4), busbw_factor("p2p", 4)
+        (1.5, 0.75, 1.0)
+    """
+    n = world_size
+    factors = {
+        "allreduce": 2 * (n - 1) / n,
+        "allgather": (n - 1) / n,
+        "reduce": 1.0,
+        "broadcast": 1.0,
+        "p2p": 1.0,
+    }
+    return factors[op]
+
+
+OPS = ("allreduce", "reduce", "broadcast", "allgather", "p2p")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """A message size in bytes; K, M, G are powers of 1024 (as in nccl-tests).
+
+    Example:
+        >>> parse_size("4K"), parse_size("256MB"), parse_size("1mib"), parse_size("4096")
+        (4096, 268435456, 1048576, 4096)
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgKMG]?)(?:i?[bB])?\s*", text)
+    if match is None:
+        raise UserError(f"{text!r} is not a message size; write e.g. 4096, 4K, 16M or 1G")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """Sizes from ``min_bytes`` to ``max_bytes``, each ``factor`` times the previous.
+
+    Example:
+        >>> size_sweep(4096, 65536, 4)
+        [4096, 16384, 65536]
+    """
+    if factor not in (2, 4):
+        raise UserError(f"--factor must be 2 or 4, got {factor}")
+    if not 0 < min_bytes <= max_bytes:
+        raise UserError(f"--min-bytes {min_bytes} must be positive and ≤ --max-bytes {max_bytes}")
+    sizes = [min_bytes]
+    while sizes[-1] * factor <= max_bytes:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommbenchConfig:
+    """One commbench job (a job ``kind`` the runtime knows besides training).
+
+    Example:
+        >>> cfg = CommbenchConfig(workers=2, ops=("p2p",), sizes=(4096,))
+        >>> CommbenchConfig.from_json(cfg.to_json()) == cfg
+        True
+    """
+
+    kind: str = "commbench"
+    workers: int = 2
+    ops: tuple[str, ...] = OPS
+    sizes: tuple[int, ...] = tuple(size_sweep(DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES, 2))
+    warmup_iters: int = 5
+    iters: int = 20
+    time_budget_s: float = 1.0
+    out: str = "runs/commbench"
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise UserError(f"commbench needs --workers ≥ 2, got {self.workers}")
+        unknown = [op for op in self.ops if op not in OPS]
+        if unknown or not self.ops:
+            raise UserError(
+                f"unknown commbench operation(s) {', '.join(unknown) or '(none)'}; "
+                f"choose from: {', '.join(OPS)}"
+            )
+        small = [s for s in self.sizes if s < ELEMENT_BYTES * self.workers]
+        if small or not self.sizes:
+            raise UserError(
+                f"message sizes must be at least {ELEMENT_BYTES * self.workers} bytes "
+                f"(one float32 per rank), got {small or 'none'}"
+            )
+        if self.warmup_iters < 1 or self.iters < 1:
+            raise UserError(
+                f"--warmup and --iters must be ≥ 1, got {self.warmup_iters} and {self.iters}"
+            )
+        if not self.time_budget_s > 0:
+            raise UserError(f"--time-budget must be > 0 seconds, got {self.time_budget_s}")
+        if self.launch.num_nodes != 1:
+            raise UserError("commbench runs on one machine; drop --nnodes")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CommbenchConfig:
+        raw = json.loads(text)
+        return cls(
+            **{k: v for k, v in raw.items() if k not in ("ops", "sizes", "launch")},
+            ops=tuple(raw["ops"]),
+            sizes=tuple(raw["sizes"]),
+            launch=LaunchConfig(**raw["launch"]),
+        )
+
+
+# -- one rank ---------------------------------------------------------------------------------
+
+
+def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
+    """Measure every operation at every size as rank ``env.rank``; rank 0 writes the results."""
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.comm.groups import node_local_group
+
+    threads = config.launch.threads or default_threads(env.local_world_size)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=config.launch.timeout_s),
+    )
+    try:
+        node = node_local_group(env.node_rank)
+        placement: list[Any] = [None] * env.world_size
+        dist.all_gather_object(
+            placement,
+            {
+                "rank": env.rank,
+                "host": os.environ.get("GRADSYNC_EMULATED_HOST", socket.gethostname()),
+                "node": node.node,
+                "local_rank": env.local_rank,
+                "local_world_size": env.local_world_size,
+                "node_group": list(node.ranks),
+            },
+        )
+        results = []
+        for op in config.ops:
+            for size in config.sizes:
+                results.append(_measure(op, size, config, env))
+                if env.rank == 0:
+                    row = results[-1]
+                    print(
+                        f"[commbench] {op:>9} {row['bytes']:>11} B  {row['time_s'] * 1e6:>12.1f} us"
+                        f"  busbw {row['busbw_Bps'] / 1e9:8.3f} GB/s",
+                        flush=True,
+                    )
+        if env.rank == 0:
+            payload = {
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "world_size": env.world_size,
+                "hosts": config.launch.hosts,
+                "bandwidth": config.launch.bandwidth,
+                "threads": threads,
+                "torch": torch.__version__,
+                "backend": "gloo",
+                "placement": placement,
+                "results": results,
+            }
+            out = Path(config.out)
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out / RESULTS_FILE, json.dumps(payload, indent=2) + "\n")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _operation(op: str, size: int, rank: int, world_size: int) -> tuple[Callable[[], None], int]:
+    """A closure running ``op`` once on preallocated tensors, and the bytes it moves."""
+    import torch
+    import torch.distributed as dist
+
+    if op == "allgather":
+        count = size // (ELEMENT_BYTES * world_size)
+        mine = torch.ones(count)
+        gathered = [torch.empty(count) for _ in range(world_size)]
+        return lambda: dist.all_gather(gathered, mine), count * world_size * ELEMENT_BYTES
+    tensor = torch.ones(size // ELEMENT_BYTES)
+    moved = tensor.numel() * ELEMENT_BYTES
+    if op == "allreduce":
+        return lambda: dist.all_reduce(tensor), moved
+    if op == "reduce":
+        return lambda: dist.reduce(tensor, dst=0), moved
+    if op == "broadcast":
+        return lambda: dist.broadcast(tensor, src=0), moved
+    # p2p: rank 0 sends to rank 1; the other ranks wait at the barriers.
+    if rank == 0:
+        return lambda: dist.send(tensor, dst=1), moved
+    if rank == 1:
+        return lambda: dist.recv(tensor, src=0), moved
+    return lambda: None, moved
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    run, moved = _operation(op, size, env.rank, env.world_size)
+    # The first warm-up iteration also sizes the rest, so slow links stay within the budget.
+    dist.barrier()
+    start = time.perf_counter()
+    run()
+    first = _slowest(time.perf_counter() - start)
+    fits = int(config.time_budget_s / max(first, 1e-9))
+    iters = max(1, min(config.iters, fits))
+    warmup = 1 + max(0, min(config.warmup_iters - 1, fits // 2))
+    for _ in range(warmup - 1):
+        run()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    seconds = _slowest(time.perf_counter() - start) / iters
+    factor = busbw_factor(op, env.world_size)
+    algbw = moved / seconds
+    return {
+        "op": op,
+        "bytes": moved,
+        "count": moved // ELEMENT_BYTES,
+        "warmup_iters": warmup,
+        "iters": iters,
+        "time_s": seconds,
+        "algbw_Bps": algbw,
+        "busbw_factor": factor,
+        "busbw_Bps": algbw * factor,
+    }
+
+
+# -- the whole job ----------------------------------------------------------------------------
+
+
+def run_commbench(config: CommbenchConfig, *, quiet: bool = False) -> dict[str, Any]:
+    """Launch the ranks, wait, and return the results rank 0 wrote.
+
+    Example:
+        >>> # run_commbench(CommbenchConfig(workers=2, ops=("allreduce",), sizes=(1 << 20,)))
+    """
+    from gradsync.launch import launch_local
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS_FILE).unlink(missing_ok=True)
+    launch_local(config, world_size=config.workers, log_file=out / LOG_FILE if quiet else None)
+    return json.loads((out / RESULTS_FILE).read_text())
+
+
+def report(payload: dict[str, Any], out: Path) -> None:
+    """Print the table; write ``commbench.md`` and the ``commbench.png`` plot under ``out``."""
+    headers = [
+        "op",
+        "size",
+        "count (float32)",
+        "iters",
+        "time (us)",
+        "algbw (GB/s)",
+        "busbw (GB/s)",
+        "busbw (Gbit/s)",
+    ]
+    rows = [
+        [
+            r["op"],
+            _size(r["bytes"]),
+            str(r["count"]),
+            str(r["iters"]),
+            f"{r['time_s'] * 1e6:,.1f}",
+            f"{r['algbw_Bps'] / 1e9:.3f}",
+            f"{r['busbw_Bps'] / 1e9:.3f}",
+            f"{r['busbw_Bps'] * 8 / 1e9:.3f}",
+        ]
+        for r in payload["results"]
+    ]
+    title = _title(payload)
+    print_table(title, headers, rows)
+    atomic_write_text(out / TABLE_FILE, f"# {title}\n\n" + markdown_table(headers, rows) + "\n")
+    plot(payload, out / PLOT_FILE)
+    print(f"results written to {out}/{RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE}")
+
+
+def _title(payload: dict[str, Any]) -> str:
+    from gradsync.netem import NO_DELAY_NOTE, format_rate, parse_rate
+
+    where = "loopback"
+    if payload.get("hosts"):
+        num_hosts = len({p["node"] for p in payload["placement"]})
+        rate = payload.get("bandwidth")
+        where = f"{num_hosts} emulated hosts, " + (
+            f"{format_rate(parse_rate(rate))} links ({NO_DELAY_NOTE})" if rate else "unshaped"
+        )
+    return f"gradsync commbench: {payload['world_size']} ranks, gloo, {where}"
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Bus bandwidth against message size, one line per operation (and the link rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gradsync.netem import parse_rate
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for op in dict.fromkeys(r["op"] for r in payload["results"]):
+        rows = [r for r in payload["results"] if r["op"] == op]
+        axes.plot(
+            [r["bytes"] for r in rows],
+            [r["busbw_Bps"] * 8 / 1e9 for r in rows],
+            marker="o",
+            label=op,
+        )
+    if payload.get("bandwidth"):
+        link = parse_rate(payload["bandwidth"]) / 1e9
+        axes.axhline(link, color="gray", linestyle="--", label=f"link rate {payload['bandwidth']}")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("message size (bytes)")
+    axes.set_ylabel("bus bandwidth (Gbit/s)")
+    axes.set_title(_title(payload), fontsize=9)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:g} {unit}"
+    return f"{num_bytes} B"
+
+
+def sizes_from(
+    sizes: Sequence[int] | None, min_bytes: int, max_bytes: int, factor: int
+) -> tuple[int, ...]:
+    """The sizes given, or the sweep from ``min_bytes`` to ``max_bytes``."""
+    return tuple(sizes) if sizes else tuple(size_sweep(min_bytes, max_bytes, factor))

@@ -1,0 +1,128 @@
+"""`--timeline`: valid Chrome traces, a bounded window, and a summary that adds up."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from gradsync.timeline_summary import summarize_trace
+from tests.e2e.conftest import gradsync
+
+STRATEGIES = ["allreduce", "ddp"]
+
+
+def _check_trace(path: Path, window: range) -> dict:
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    stacks: dict[tuple[int, int], list[str]] = defaultdict(list)
+    last_ts: dict[tuple[int, int], float] = {}
+    steps = defaultdict(set)
+    for event in events:
+        assert event["ph"] in ("B", "E", "M"), event
+        if event["ph"] == "M":
+            continue
+        track = (event["pid"], event["tid"])
+        assert event["ts"] >= last_ts.get(track, float("-inf")), event  # monotonic per track
+        last_ts[track] = event["ts"]
+        if event["ph"] == "B":
+            stacks[track].append(event["name"])
+            steps[event["pid"]].add(event["args"]["step"])
+        else:
+            assert stacks[track] and stacks[track].pop() == event["name"], event
+    assert all(not stack for stack in stacks.values()), "a B without its E"
+    for pid, recorded in steps.items():
+        assert recorded == set(window), (pid, recorded)  # every step in the window, only those
+    return trace
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_trace_is_valid_and_bounded_by_the_window(strategy: str, workdir: Path) -> None:
+    trace_path = workdir / "trace.json"
+    result = gradsync(
+        "train",
+        "--model",
+        "transformer",
+        "--preset",
+        "tiny",
+        "--strategy",
+        strategy,
+        "--workers",
+        "2",
+        "--steps",
+        "10",
+        "--timeline",
+        str(trace_path),
+        "--timeline-steps",
+        "3:7",
+        "--out",
+        "run",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr
+    trace = _check_trace(trace_path, range(3, 7))
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "compute" in names
+    phases = {e["name"].split(":")[0] for e in trace["traceEvents"] if e["ph"] == "B"}
+    assert {"STEP", "FORWARD", "BACKWARD", "OPTIMIZER_STEP"} <= phases
+    if strategy == "allreduce":
+        assert {"ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "COMM_WAIT"} <= phases
+        allreduce = next(
+            e for e in trace["traceEvents"] if e["name"] == "ALLREDUCE" and e["ph"] == "B"
+        )
+        assert {"tensor", "bytes", "step"} <= allreduce["args"].keys()
+
+    summary = summarize_trace(trace_path)
+    metrics = {
+        (rank, record["step"]): record["step_time_s"] * 1000
+        for rank in (0, 1)
+        for record in map(
+            json.loads, (workdir / "run" / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+        )
+    }
+    assert len(summary.steps) == 2 * 4
+    for step in summary.steps:
+        parts = step.compute_ms + step.exposed_comm_ms + step.idle_ms
+        measured = metrics[(step.rank, step.step)]
+        assert parts == pytest.approx(measured, rel=0.05)
+
+    cli = gradsync("timeline", "summarize", str(trace_path), cwd=workdir)
+    assert cli.returncode == 0, cli.stderr
+    assert (workdir / "trace.summary.json").exists()
+    png = (workdir / "trace.gantt.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_recording_is_off_by_default(workdir: Path) -> None:
+    result = gradsync(
+        "train",
+        "--model",
+        "mnist-cnn",
+        "--preset",
+        "tiny",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "2",
+        "--out",
+        "run",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr
+    assert not (workdir / "run" / "timeline").exists()
+
+
+def test_bad_window_is_a_user_error(workdir: Path) -> None:
+    result = gradsync("train", "--timeline", "t.json", "--timeline-steps", "9:3", cwd=workdir)
+    assert result.returncode == 2
+    assert "--timeline-steps '9:3'" in result.stderr
+
+
+def test_summarize_rejects_a_non_trace(workdir: Path) -> None:
+    (workdir / "x.json").write_text("{}")
+    result = gradsync("timeline", "summarize", "x.json", cwd=workdir)
+    assert result.returncode == 2 and "not a gradsync Chrome-trace" in result.stderr
