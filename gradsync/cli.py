@@ -226,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cleanup", "list"],
         help="cleanup: delete the namespaces of runs whose launcher is gone; list: show runs",
     )
+    bench = commands.add_parser("bench", help="run an experiment file's sweep, then report")
+    bench.add_argument("experiment", help="TOML experiment file, e.g. experiments/NAME.toml")
+    bench.add_argument("--out", help="results folder (default: results/<experiment name>); "
+                       "an interrupted sweep resumes there")
+    bench.add_argument("--timeline", action="store_true",
+                       help="also write each cell's Chrome trace (cells/<id>/trace.json)")
+    report = commands.add_parser("report", help="write the Markdown report of a sweep")
+    report.add_argument("results", help="results folder of gradsync bench")
     timeline = commands.add_parser("timeline", help="analyse a --timeline trace")
     timeline.add_argument("action", choices=["summarize"])
     timeline.add_argument("traces", nargs="+", help="Chrome-trace files from --timeline")
@@ -457,6 +465,30 @@ def cmd_commbench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gradsync.bench.experiment import load_experiment
+    from gradsync.bench.report import write_report
+    from gradsync.bench.sweep import run_sweep
+
+    experiment = load_experiment(args.experiment)
+    out = Path(args.out or f"results/{experiment.name}")
+    cells = experiment.cells()
+    print(f"{experiment.name}: {len(cells)} cells, {experiment.steps} steps each; results in {out}")
+    records = run_sweep(experiment, out, show_progress=sys.stdout.isatty(),
+                        timeline=args.timeline)
+    failed = sum(r["status"] == "failed" for r in records)
+    report = write_report(out)
+    print(f"{len(records) - failed} cell(s) ok, {failed} failed; report in {report}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from gradsync.bench.report import write_report
+
+    print(f"report in {write_report(Path(args.results))}")
+    return EXIT_OK
+
+
 def cmd_timeline(args: argparse.Namespace) -> int:
     from gradsync.timeline_summary import gantt, print_summary, summarize_trace, write_summary
 
@@ -490,7 +522,8 @@ def cmd_netem(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "demo": cmd_demo, "compare": cmd_compare}
-COMMANDS.update(commbench=cmd_commbench, netem=cmd_netem, timeline=cmd_timeline)
+COMMANDS.update(commbench=cmd_commbench, netem=cmd_netem, timeline=cmd_timeline,
+                bench=cmd_bench, report=cmd_report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

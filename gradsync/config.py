@@ -79,7 +79,7 @@ class PSConfig:
         if self.colocate and self.servers is not None:
             raise UserError(
                 f"--servers {self.servers} with --colocate: colocated servers run inside the "
-                f"{workers} workers; drop --servers or --colocate"
+                f"workers (--workers {workers}), not on extra ranks; drop --servers or --colocate"
             )
         if self.servers is not None and self.servers < 1:
             raise UserError(

@@ -53,6 +53,7 @@ class RankProcess:
     popen: subprocess.Popen[bytes]
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     reader: threading.Thread | None = None
+    role: str = "worker"
 
     def describe_exit(self) -> str:
         code = self.popen.returncode
@@ -162,7 +163,10 @@ def launch_local(
                     stderr=subprocess.PIPE,
                     preexec_fn=_die_with_parent,
                 )
-                ranks.append(_start_reader(RankProcess(rank, popen), echo=stdout is None))
+                # Ranks after the workers are a strategy's dedicated servers (ps).
+                role = "worker" if rank < config.workers else f"server {rank - config.workers}"
+                process = RankProcess(rank, popen, role=role)
+                ranks.append(_start_reader(process, echo=stdout is None))
             atomic_write_text(
                 out / f"ranks-node{launch.node_rank}.json",
                 json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n",
@@ -228,7 +232,7 @@ def _failure(rank: RankProcess) -> Exception:
         return UserError(user_errors[-1].removeprefix(USER_ERROR_PREFIX))
     tail = "\n".join(f"  {line}" for line in rank.tail) or "  (no stderr output)"
     return JobFailed(
-        f"rank {rank.rank} (pid {rank.popen.pid}) {rank.describe_exit()}; "
+        f"rank {rank.rank} ({rank.role}, pid {rank.popen.pid}) {rank.describe_exit()}; "
         f"its last stderr lines:\n{tail}"
     )
 

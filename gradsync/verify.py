@@ -21,6 +21,7 @@ to what floating point allows, not to a figure measured on tiny ones.
 from __future__ import annotations
 
 import dataclasses
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -30,7 +31,8 @@ from typing import Any
 
 from gradsync.checkpoint import Checkpoint, atomic_write_text, load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
-from gradsync.config import TrainConfig
+from gradsync.config import PSConfig, TrainConfig
+from gradsync.errors import UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
 from gradsync.runtime import CHECKPOINT_FILE
@@ -96,7 +98,8 @@ def run_matrix(
         >>> #            ["ddp", "allreduce"], [2, 4], Path("runs/verify"))
     """
     cells = [(REFERENCE, 1)] + [(s, w) for w in workers for s in strategies if s != REFERENCE]
-    configs = [base.replace(strategy=s, workers=w, out=str(out / f"{s}-w{w}")) for s, w in cells]
+    configs = [cell_config(base, s, w, out) for s, w in cells]
+    labels = {config.out: spec for config, (spec, _) in zip(configs, cells, strict=True)}
     for config in configs:
         validate(config)  # every cell is checked before the first one runs
     if log:
@@ -112,10 +115,10 @@ def run_matrix(
         summary = run_job(config) if config is not configs[0] else load_summary(Path(config.out))
         checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE)
         diff = worst(diff_checkpoints(reference, checkpoint, include_optimizer=False))
-        verdict, reason = _verdict(config, diff.max_abs, tolerance)
+        verdict, reason = verdict_for(config, diff.max_abs, tolerance)
         outcomes.append(
             Outcome(
-                strategy=config.strategy,
+                strategy=labels[config.out],
                 workers=config.workers,
                 max_abs=diff.max_abs,
                 max_rel=diff.max_rel,
@@ -150,11 +153,61 @@ def reference_spread(reference_config: TrainConfig, reference: Checkpoint, out: 
     return worst(diff_checkpoints(reference, checkpoint, include_optimizer=False)).max_abs
 
 
-def _verdict(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[str, str]:
+def cell_config(base: TrainConfig, spec: str, workers: int, out: Path) -> TrainConfig:
+    """The config of one verify cell. ``spec`` is a strategy name, optionally with options
+    for its config section: ``ps:servers=2``, ``ps:colocate``, ``ps:async:staleness=2``.
+
+    Example:
+        >>> cell_config(TrainConfig(), "ps:servers=2:colocate=false", 4, Path("v")).ps.servers
+        2
+    """
+    name, *options = spec.split(":")
+    changes: dict[str, Any] = {}
+    if name != "ps":
+        changes["ps"] = PSConfig()  # ps flags given to verify apply to the ps cells only
+    section = getattr(base, name, None)
+    if options:
+        if not dataclasses.is_dataclass(section):
+            raise UserError(f"strategy '{name}' takes no options (got '{spec}')")
+        values = {}
+        for option in options:
+            key, _, text = option.partition("=")
+            key = {"async": "async_updates"}.get(key, key).replace("-", "_")
+            fields = {f.name: f for f in dataclasses.fields(section)}
+            if key not in fields:
+                raise UserError(
+                    f"unknown option '{key}' in '{spec}'; {name} takes: {', '.join(fields)}"
+                )
+            values[key] = _option_value(getattr(section, key), text, spec)
+        changes[name] = dataclasses.replace(section, **values)
+    label = spec.replace(":", "-").replace("=", "")
+    return base.replace(strategy=name, workers=workers, out=str(out / f"{label}-w{workers}"), **changes)
+
+
+def _option_value(current: Any, text: str, spec: str) -> Any:
+    if isinstance(current, bool) or (current is None and text == ""):
+        return text.lower() in ("", "1", "true", "yes", "on")
+    try:
+        if isinstance(current, int) or current is None:
+            return int(text)
+        if isinstance(current, float):
+            return float(text)
+    except ValueError:
+        raise UserError(f"'{text}' in '{spec}' is not a number") from None
+    return text
+
+
+def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[str, str]:
     if config.strategy == REFERENCE:
         return "reference", "the whole global batch in one process"
     strategy = strategy_class(config.strategy)
     expected = strategy().expected_difference(config)
+    if not strategy.is_synchronous(config):
+        # Not held to the tolerance: asynchronous training is a different computation.
+        return (
+            "differs: asynchronous updates",
+            f"{expected or 'asynchronous updates'}; distance to single {max_abs:.2e}",
+        )
     if max_abs <= tolerance:
         return "match", "reduction order only"
     if expected is not None or not strategy.synchronous:

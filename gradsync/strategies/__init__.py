@@ -37,7 +37,7 @@ def world_size_of(config: TrainConfig) -> int:
 
 def check_strategy(config: TrainConfig) -> None:
     """Fail early on a strategy that cannot run in ``config``'s topology."""
-    strategy_class(config.strategy)
+    cls = strategy_class(config.strategy)
     if config.strategy == "single" and config.workers != 1:
         raise UserError(
             f"strategy 'single' runs one process on the whole global batch, but "
@@ -48,6 +48,7 @@ def check_strategy(config: TrainConfig) -> None:
             f"--servers/--colocate/--async/--staleness/--placement apply to --strategy ps, "
             f"not '{config.strategy}'; drop them or use --strategy ps"
         )
+    cls.check_config(config)
 
 
 __all__ = ["STRATEGIES", "Context", "Strategy", "check_strategy", "strategy_class", "world_size_of"]

@@ -89,6 +89,10 @@ class Strategy(ABC):
         return self.updater.lr if self.updater is not None else 0.0
 
     @classmethod
+    def check_config(cls, config: TrainConfig) -> None:
+        """Raise UserError, before any process starts, if ``config`` cannot run."""
+
+    @classmethod
     def is_synchronous(cls, config: TrainConfig) -> bool:
         """Whether this configuration must reproduce ``single`` (``verify`` holds it to that)."""
         return cls.synchronous

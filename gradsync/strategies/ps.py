@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from gradsync.comm.placement import Placement, Variable, plan_placement
 from gradsync.comm.pushpull import HEADER, Client, Inbox, Outbox
 from gradsync.comm.server import ServerRound, ShardState, serve
 from gradsync.config import TrainConfig
+from gradsync.errors import UserError
 from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context, Strategy
@@ -61,6 +62,21 @@ class ParameterServer(Strategy):
     @classmethod
     def num_server_ranks(cls, config: TrainConfig) -> int:
         return 0 if config.ps.colocate else config.ps.num_servers(config.workers)
+
+    @classmethod
+    def check_config(cls, config: TrainConfig) -> None:
+        """Fail before launch when the model has fewer variables than servers."""
+        from gradsync.models import build_workload
+
+        workload = build_workload(
+            config.model,
+            preset=config.preset,
+            seed=config.seed,
+            data=config.data,
+            dropout=False,
+            options=config.model_options,
+        )
+        _plan(config, [_variable(n, p) for n, p in workload.model.named_parameters() if p.requires_grad])
 
     @classmethod
     def is_synchronous(cls, config: TrainConfig) -> bool:
@@ -91,19 +107,14 @@ class ParameterServer(Strategy):
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             spec = [
                 {
-                    "variables": [(n, p.numel(), p.element_size()) for n, p in params],
+                    "variables": [astuple(_variable(n, p)) for n, p in params],
                     "initial": {n: p.detach().cpu() for n, p in params},
                     "lr": context.lr,
                 }
             ]
         # Initial parameters: worker 0's, on every worker and server (Horovod's broadcast).
         dist.broadcast_object_list(spec, src=0)
-        self.placement: Placement = plan_placement(
-            [Variable(*v) for v in spec[0]["variables"]],
-            num_servers=self.num_servers,
-            policy=config.ps.placement,
-            threshold_bytes=int(config.ps.partition_threshold_mb * 2**20),
-        )
+        self.placement: Placement = _plan(config, [Variable(*v) for v in spec[0]["variables"]])
         if context.rank == 0:
             where = "colocated on the workers" if config.ps.colocate else "dedicated ranks"
             print(
@@ -291,6 +302,22 @@ class ParameterServer(Strategy):
             self._server_thread.join(timeout=self.context.config.launch.timeout_s)
             if self._server_thread.is_alive():
                 raise RuntimeError("the colocated parameter server did not finish in time")
+
+
+def _variable(name: str, param: nn.Parameter) -> Variable:
+    return Variable(name, param.numel(), param.element_size())
+
+
+def _plan(config: TrainConfig, variables: list[Variable]) -> Placement:
+    try:
+        return plan_placement(
+            variables,
+            num_servers=config.ps.num_servers(config.workers),
+            policy=config.ps.placement,
+            threshold_bytes=int(config.ps.partition_threshold_mb * 2**20),
+        )
+    except UserError as error:
+        raise UserError(f"model '{config.model}' ({config.preset}): {error}") from None
 
 
 def _slots(partitions: list[Any]) -> list[_Slot]:

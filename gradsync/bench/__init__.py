@@ -1,0 +1,1 @@
+"""``gradsync bench``: experiment files → a sweep of jobs → statistics → a report."""

@@ -1,0 +1,241 @@
+"""Experiment files (TOML): which matrix of jobs to run, validated key by key.
+
+Example file::
+
+    name = "horovod-synthetic"
+    models = ["vgg16", "resnet56"]
+    strategies = ["allreduce", "ddp", "ps"]
+    workers = [1, 2, 4]
+    steps = 30
+    repeats = 3
+
+Every key is listed in :data:`KEYS` with what it holds; a cell of the matrix is one job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsync.config import LR_SCALINGS, OPTIMIZERS
+from gradsync.errors import UserError
+from gradsync.models import check_model
+from gradsync.strategies import STRATEGIES, strategy_class
+from gradsync.strategies.base import Strategy
+
+KEYS: dict[str, str] = {
+    "name": "experiment name (string)",
+    "description": "what the experiment asks (string)",
+    "models": "registered models or FILE.py:FN (list of strings)",
+    "preset": "tiny | default | paper",
+    "model_options": "per model: table of KEY = VALUE strings",
+    "data": "path of real data (string)",
+    "strategies": "registered strategies (list)",
+    "workers": "worker counts (list of positive integers)",
+    "servers": "server counts for strategies with servers (list of positive integers)",
+    "global_batch": "global batch sizes (list of positive integers)",
+    "threads": "intra-op threads per rank (list of positive integers)",
+    "bandwidths": "emulated link rates, e.g. \"1gbit\" (list; needs root for namespaces)",
+    "hosts": "emulated hosts when bandwidths are set (positive integer, default 2)",
+    "lr_scaling": "learning-rate scaling rules: none | linear | sqrt (list)",
+    "optimizer": "sgd | adam",
+    "lr": "learning rate (number)",
+    "lr_warmup_steps": "linear learning-rate warm-up steps (integer)",
+    "steps": "steps per job (positive integer)",
+    "warmup_steps": "steps left out of throughput (integer; default 10%, at least 5)",
+    "repeats": "repeats of every cell (positive integer)",
+    "seed": "seed (integer)",
+    "verify": "compare every cell with a single-process reference (true/false)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One job of the matrix."""
+
+    model: str
+    strategy: str
+    workers: int
+    servers: int | None = None
+    global_batch: int | None = None
+    threads: int | None = None
+    bandwidth: str | None = None
+    lr_scaling: str = "none"
+    repeat: int = 0
+    role: str = "measure"  # measure | reference | reference-rerun
+
+    @property
+    def id(self) -> str:
+        """A stable, filesystem-safe name: the resume key and the run folder."""
+        parts = [self.role, self.model.replace("/", "_").replace(":", "_"), self.strategy,
+                 f"w{self.workers}"]
+        for label, value in (("s", self.servers), ("b", self.global_batch),
+                             ("t", self.threads), ("bw", self.bandwidth)):
+            if value is not None:
+                parts.append(f"{label}{value}")
+        if self.lr_scaling != "none":
+            parts.append(self.lr_scaling)
+        parts.append(f"r{self.repeat}")
+        return "-".join(parts)
+
+    def group(self) -> tuple[Any, ...]:
+        """Cells that differ only by repeat belong together."""
+        return (self.model, self.strategy, self.workers, self.servers, self.global_batch,
+                self.threads, self.bandwidth, self.lr_scaling, self.role)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """A parsed, validated experiment file."""
+
+    name: str
+    path: str
+    description: str = ""
+    models: list[str] = field(default_factory=lambda: ["transformer"])
+    preset: str = "default"
+    model_options: dict[str, dict[str, str]] = field(default_factory=dict)
+    data: str | None = None
+    strategies: list[str] = field(default_factory=lambda: ["ddp", "allreduce"])
+    workers: list[int] = field(default_factory=lambda: [2])
+    servers: list[int] = field(default_factory=lambda: [1])
+    global_batch: list[int | None] = field(default_factory=lambda: [None])
+    threads: list[int | None] = field(default_factory=lambda: [None])
+    bandwidths: list[str | None] = field(default_factory=lambda: [None])
+    hosts: int = 2
+    lr_scaling: list[str] = field(default_factory=lambda: ["none"])
+    optimizer: str = "sgd"
+    lr: float | None = None
+    lr_warmup_steps: int = 0
+    steps: int = 30
+    warmup_steps: int | None = None
+    repeats: int = 1
+    seed: int = 0
+    verify: bool = False
+
+    def cells(self) -> list[Cell]:
+        """The matrix, reference cells first (so correctness is known as early as possible)."""
+        cells: list[Cell] = []
+        if self.verify:
+            for model, batch, scaling in itertools.product(self.models, self.global_batch,
+                                                           self.lr_scaling):
+                common = dict(model=model, strategy="single", workers=1, global_batch=batch,
+                              lr_scaling=scaling)
+                cells.append(Cell(**common, role="reference"))
+                cells.append(Cell(**common, threads=1, role="reference-rerun"))
+        for repeat, model, strategy, workers, batch, threads, bandwidth, scaling in (
+            itertools.product(range(self.repeats), self.models, self.strategies, self.workers,
+                              self.global_batch, self.threads, self.bandwidths, self.lr_scaling)
+        ):
+            if strategy == "single" and workers != 1:
+                continue
+            for servers in self.servers if has_servers(strategy) else [None]:
+                cells.append(Cell(model=model, strategy=strategy, workers=workers,
+                                  servers=servers, global_batch=batch, threads=threads,
+                                  bandwidth=bandwidth, lr_scaling=scaling, repeat=repeat))
+        return cells
+
+
+def has_servers(strategy: str) -> bool:
+    """Whether a strategy takes server ranks (it overrides ``num_server_ranks``)."""
+    return strategy_class(strategy).num_server_ranks.__func__ is not (  # type: ignore[attr-defined]
+        Strategy.num_server_ranks.__func__  # type: ignore[attr-defined]
+    )
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file; every problem is a one-line UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no experiment file at {path}; pass a TOML file such as "
+                        "experiments/horovod-synthetic.toml")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"{path} is not valid TOML: {error}") from None
+    where = f"experiment {path}"
+    for key in raw:
+        if key not in KEYS:
+            raise UserError(f"{where}: unknown key '{key}'; allowed keys: {', '.join(KEYS)}")
+    values: dict[str, Any] = {"name": str(raw.get("name", path.stem)), "path": str(path)}
+    if "model" in raw:
+        raise UserError(f"{where}: unknown key 'model'; use models = [\"...\"]")
+    for key in ("models", "strategies", "lr_scaling"):
+        if key in raw:
+            values[key] = _strings(raw[key], key, where)
+    for key in ("workers", "servers", "global_batch", "threads"):
+        if key in raw:
+            values[key] = _positive_ints(raw[key], key, where)
+    if "bandwidths" in raw:
+        values["bandwidths"] = _strings(raw["bandwidths"], "bandwidths", where)
+    for key in ("steps", "repeats", "hosts"):
+        if key in raw:
+            values[key] = _positive_ints([raw[key]], key, where)[0]
+    for key in ("warmup_steps", "lr_warmup_steps", "seed"):
+        if key in raw:
+            if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 0:
+                raise UserError(f"{where}: {key} must be a non-negative integer, got {raw[key]!r}")
+            values[key] = raw[key]
+    for key in ("description", "preset", "data", "optimizer"):
+        if key in raw:
+            values[key] = str(raw[key])
+    if "lr" in raw:
+        if not isinstance(raw["lr"], int | float) or raw["lr"] <= 0:
+            raise UserError(f"{where}: lr must be a positive number, got {raw['lr']!r}")
+        values["lr"] = float(raw["lr"])
+    if "verify" in raw:
+        if not isinstance(raw["verify"], bool):
+            raise UserError(f"{where}: verify must be true or false, got {raw['verify']!r}")
+        values["verify"] = raw["verify"]
+    if "model_options" in raw:
+        values["model_options"] = _model_options(raw["model_options"], where)
+    experiment = Experiment(**values)
+    _check_names(experiment, where)
+    return experiment
+
+
+def _strings(value: Any, key: str, where: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise UserError(f"{where}: {key} must be a non-empty list of strings, got {value!r}")
+    return value
+
+
+def _positive_ints(value: Any, key: str, where: str) -> list[int]:
+    ok = isinstance(value, list) and value and all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    if not ok:
+        raise UserError(f"{where}: {key} must be a list of positive integers, got {value!r}")
+    return value
+
+
+def _model_options(value: Any, where: str) -> dict[str, dict[str, str]]:
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise UserError(f"{where}: model_options must be a table per model, e.g. "
+                        "[model_options.lstm-lm] sparse = \"true\"")
+    return {model: {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in opts.items()}
+            for model, opts in value.items()}
+
+
+def _check_names(experiment: Experiment, where: str) -> None:
+    for strategy in experiment.strategies:
+        if strategy not in STRATEGIES:
+            raise UserError(f"{where}: unknown strategy '{strategy}' in strategies; allowed: "
+                            f"{', '.join(STRATEGIES)}")
+    for scaling in experiment.lr_scaling:
+        if scaling not in LR_SCALINGS:
+            raise UserError(f"{where}: unknown lr_scaling '{scaling}'; allowed: "
+                            f"{', '.join(LR_SCALINGS)}")
+    if experiment.optimizer not in OPTIMIZERS:
+        raise UserError(f"{where}: unknown optimizer '{experiment.optimizer}'; allowed: "
+                        f"{', '.join(OPTIMIZERS)}")
+    for model in experiment.models:
+        try:
+            check_model(model, experiment.preset, experiment.model_options.get(model))
+        except UserError as error:
+            raise UserError(f"{where}: {error}") from None
+    for model in experiment.model_options:
+        if model not in experiment.models:
+            raise UserError(f"{where}: model_options for '{model}', which is not in models "
+                            f"({', '.join(experiment.models)})")

@@ -1,0 +1,240 @@
+"""``gradsync report RESULTS``: a Markdown report with tables, plots and an automatic reading.
+
+Per model: one table (throughput with its range and spread, speedup, scaling efficiency,
+bytes per step, exposed communication, correctness against ``single``), a paragraph that
+reads it (who wins, by how much, and whether the ranges make the call uncertain), and four
+plots: throughput by strategy, scaling with the ideal line, speedup vs bandwidth, loss vs
+step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from gradsync.bench.analysis import Row, analyse
+from gradsync.bench.experiment import load_experiment
+from gradsync.bench.sweep import load_results
+from gradsync.checkpoint import atomic_write_text
+from gradsync.errors import UserError
+from gradsync.tables import markdown_table
+
+PLOTS_DIR = "plots"
+REPORT_FILE = "report.md"
+HEADERS = ["strategy", "workers", "servers", "batch", "threads", "link", "lr rule",
+           "samples/s median (min–max)", "spread", "speedup", "efficiency", "bytes sent/step",
+           "exposed comm/step", "max |Δ| vs single", "verdict"]
+
+
+def write_report(out: Path) -> Path:
+    """Write ``report.md`` and ``plots/*.png`` for the sweep in ``out``; return the report."""
+    if not (out / "experiment.toml").exists():
+        raise UserError(f"{out} holds no sweep (no experiment.toml); run gradsync bench first")
+    experiment = load_experiment(out / "experiment.toml")
+    records = load_results(out)
+    rows = analyse(experiment, records, out)
+    lines = [f"# {experiment.name}", ""]
+    if experiment.description:
+        lines += [experiment.description, ""]
+    lines += _environment(records)
+    for model in experiment.models:
+        mine = [row for row in rows if row.cell.model == model]
+        lines += [f"## {model} ({experiment.preset})", ""]
+        if not mine:
+            lines += ["No successful cells.", ""]
+            continue
+        lines += [markdown_table(HEADERS, [_cells(row) for row in mine]), ""]
+        lines += [reading(mine), ""]
+        for kind, path in _plots(out, model, mine, experiment.strategies).items():
+            lines += [f"![{kind}]({path.relative_to(out)})", ""]
+    failed = [r for r in records if r["status"] == "failed"]
+    if failed:
+        lines += ["## Failed cells", ""]
+        lines += [markdown_table(["cell", "error"], [[r["id"], r["error"]] for r in failed]), ""]
+    report = out / REPORT_FILE
+    atomic_write_text(report, "\n".join(lines) + "\n")
+    return report
+
+
+def _environment(records: list[dict]) -> list[str]:
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return []
+    env = ok[0]["environment"]
+    return [f"Measured with gradsync {env.get('gradsync')}, torch {env.get('torch')}, on "
+            f"{env.get('cpu')} ({env.get('cores')} cores); steps per job "
+            f"{len(ok[0]['step_times_s'])}, warm-up {ok[0]['throughput']['warmup_steps']} "
+            "steps left out; throughput is the whole job's samples/s.", ""]
+
+
+def _cells(row: Row) -> list[str]:
+    cell = row.cell
+    return [
+        cell.strategy, str(cell.workers), _dash(cell.servers), _dash(cell.global_batch),
+        _dash(cell.threads), cell.bandwidth or "loopback", cell.lr_scaling,
+        f"{row.median:,.1f} ({row.low:,.1f}–{row.high:,.1f})",
+        f"{row.spread:.0%}" + (" noisy" if row.noisy else ""),
+        "-" if row.speedup is None else f"{row.speedup:.2f}×",
+        "-" if row.efficiency is None else f"{row.efficiency:.0%}",
+        f"{row.bytes_per_step / 2**20:,.2f} MB", f"{row.exposed_comm_ms:.1f} ms",
+        "-" if row.max_abs is None else f"{row.max_abs:.1e} (tol {row.tolerance:.0e})",
+        row.verdict,
+    ]
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def reading(rows: list[Row]) -> str:
+    """One paragraph: per setting, which strategy wins, by how much, and how sure that is."""
+    sentences = []
+    settings: dict[tuple, list[Row]] = defaultdict(list)
+    for row in rows:
+        c = row.cell
+        settings[(c.workers, c.global_batch, c.threads, c.bandwidth, c.lr_scaling)].append(row)
+    for (workers, _, _, bandwidth, _), group in settings.items():
+        if len({row.cell.strategy for row in group}) < 2:
+            continue
+        ranked = sorted(group, key=lambda row: -row.median)
+        best, runner = ranked[0], ranked[1]
+        where = f"at {workers} worker{'s' if workers > 1 else ''}" + (
+            f" behind {bandwidth} links" if bandwidth else "")
+        sentence = (f"{where.capitalize()}, {_label(best)} is fastest with "
+                    f"{best.median:,.1f} samples/s, {best.median / runner.median:.2f}× "
+                    f"{_label(runner)}")
+        if len(ranked) > 2:
+            sentence += f" and {best.median / ranked[-1].median:.2f}× {_label(ranked[-1])}"
+        if best.low <= runner.high:
+            sentence += (f"; the ranges overlap ({best.low:,.1f}–{best.high:,.1f} vs "
+                         f"{runner.low:,.1f}–{runner.high:,.1f}), so the order of these two is "
+                         "uncertain")
+        elif best.noisy or runner.noisy:
+            sentence += "; the ranges do not overlap, but one of the two is noisy"
+        sentences.append(sentence + ".")
+    scaled = [row for row in rows if row.efficiency is not None and row.cell.workers > 1]
+    if scaled:
+        top = max(row.cell.workers for row in scaled)
+        at_top = sorted((row for row in scaled if row.cell.workers == top),
+                        key=lambda row: -(row.efficiency or 0))
+        sentences.append(
+            f"Scaling to {top} workers, {_label(at_top[0])} keeps the highest efficiency "
+            f"({at_top[0].efficiency:.0%} of ideal)"
+            + (f", {_label(at_top[-1])} the lowest ({at_top[-1].efficiency:.0%})"
+               if len(at_top) > 1 else "") + ".")
+    checked = [row for row in rows if row.max_abs is not None]
+    if checked:
+        failing = [row for row in checked if row.verdict == "FAIL"]
+        sentences.append(
+            "Every synchronous strategy matches single within tolerance."
+            if not failing else
+            "Beyond tolerance: " + ", ".join(_label(row) for row in failing) + ".")
+    noisy = [row for row in rows if row.noisy]
+    if noisy:
+        sentences.append(f"{len(noisy)} result(s) have a spread above 10% and are flagged "
+                         "noisy; rerun them with more steps or repeats before relying on them.")
+    return " ".join(sentences) or "Only one strategy per setting: nothing to compare."
+
+
+def _label(row: Row) -> str:
+    servers = f" ({row.cell.servers} server{'s' if (row.cell.servers or 0) > 1 else ''})" \
+        if row.cell.servers else ""
+    return f"`{row.cell.strategy}`{servers}"
+
+
+def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = out / PLOTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    slug = model.replace("/", "_").replace(":", "_").replace(".", "_")
+    series: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        series[_label(row).strip("`").replace("` ", " ")].append(row)
+    workers = sorted({row.cell.workers for row in rows})
+    paths = {}
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(series))
+    for index, (name, mine) in enumerate(series.items()):
+        for row in mine:
+            x = workers.index(row.cell.workers) + index * width
+            ax.bar(x, row.median, width, color=f"C{index}",
+                   yerr=[[row.median - row.low], [row.high - row.median]], capsize=3,
+                   label=name if row is mine[0] else None)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workers))], [str(w) for w in workers])
+    ax.set_xlabel("workers")
+    ax.set_ylabel("samples/s (median, min–max)")
+    ax.set_title(f"{model}: throughput by strategy")
+    ax.legend(fontsize=8)
+    paths["throughput by strategy"] = _save(fig, directory / f"{slug}-throughput.png", plt)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for index, (name, mine) in enumerate(series.items()):
+        points = sorted((row.cell.workers, row.median) for row in mine)
+        ax.plot(*zip(*points, strict=True), marker="o", color=f"C{index}", label=name)
+        one = next((m for w, m in points if w == 1), None)
+        if one is not None:
+            ax.plot(workers, [w * one for w in workers], linestyle="--", color=f"C{index}",
+                    alpha=0.5, label=f"{name} ideal")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"{model}: scaling (dashed: ideal N·T(1))")
+    ax.legend(fontsize=7)
+    paths["scaling"] = _save(fig, directory / f"{slug}-scaling.png", plt)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    top = max(workers)
+    links = sorted({row.cell.bandwidth or "loopback" for row in rows}, key=_rate_order)
+    baseline_name = next((s for s in order if s in series), next(iter(series)))
+    for index, (name, mine) in enumerate(series.items()):
+        points = []
+        for link in links:
+            row = _find(mine, top, link)
+            base = _find(series[baseline_name], top, link)
+            if row is not None and base is not None:
+                points.append((links.index(link), row.median / base.median))
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", color=f"C{index}", label=name)
+    ax.set_xticks(range(len(links)), links)
+    ax.set_xlabel("link rate")
+    ax.set_ylabel(f"speedup over {baseline_name}")
+    ax.set_title(f"{model}: speedup vs bandwidth ({top} workers)")
+    ax.legend(fontsize=8)
+    paths["speedup vs bandwidth"] = _save(fig, directory / f"{slug}-bandwidth.png", plt)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for index, (name, mine) in enumerate(series.items()):
+        row = max(mine, key=lambda r: r.cell.workers)
+        ax.plot(range(len(row.loss)), row.loss, color=f"C{index}",
+                label=f"{name} ({row.cell.workers} workers)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over workers)")
+    ax.set_title(f"{model}: loss vs step")
+    ax.legend(fontsize=8)
+    paths["loss vs step"] = _save(fig, directory / f"{slug}-loss.png", plt)
+    return paths
+
+
+def _find(rows: list[Row], workers: int, link: str) -> Row | None:
+    return next((r for r in rows if r.cell.workers == workers
+                 and (r.cell.bandwidth or "loopback") == link), None)
+
+
+def _rate_order(link: str) -> float:
+    from gradsync.netem import parse_rate
+
+    return float("inf") if link == "loopback" else parse_rate(link)
+
+
+def _save(fig: object, path: Path, plt: object) -> Path:
+    fig.tight_layout()  # type: ignore[attr-defined]
+    fig.savefig(path, dpi=110)  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[attr-defined]
+    return path
+
+
+__all__ = ["write_report"]

@@ -1,0 +1,198 @@
+"""Run an experiment's cells one job each; record every cell as one JSON line; resume.
+
+A results folder holds ``experiment.toml`` (a copy), ``results.jsonl`` (one line per
+finished cell: its parameters, status, raw per-step timings, statistics, environment) and
+``cells/<cell id>/`` (each job's own run folder). Cells already recorded as ``ok`` are
+skipped when the sweep is started again; a failing cell is recorded with its error and the
+sweep goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from gradsync.bench.experiment import Cell, Experiment
+from gradsync.config import LaunchConfig, OptimConfig, PSConfig, TrainConfig
+from gradsync.errors import JobFailed, UserError
+from gradsync.jobs import run_job, validate
+from gradsync.metrics import METRICS_DIR, read_records
+
+RESULTS_FILE = "results.jsonl"
+CELLS_DIR = "cells"
+
+
+def cell_config(experiment: Experiment, cell: Cell, out: Path, *,
+                timeline: bool = False) -> TrainConfig:
+    """The job of one cell. Dropout is off so every cell can be compared with ``single``.
+
+    With ``timeline`` the job also writes ``cells/<id>/trace.json`` (see gradsync.trace).
+    """
+    run_dir = out / CELLS_DIR / cell.id
+    launch = LaunchConfig(threads=cell.threads)
+    if cell.bandwidth is not None:
+        launch = LaunchConfig(threads=cell.threads, hosts=experiment.hosts,
+                              bandwidth=cell.bandwidth)
+    return TrainConfig(
+        model=cell.model,
+        preset=experiment.preset,
+        model_options=experiment.model_options.get(cell.model, {}),
+        strategy=cell.strategy,
+        workers=cell.workers,
+        steps=experiment.steps,
+        global_batch=cell.global_batch,
+        seed=experiment.seed,
+        data=experiment.data,
+        out=str(run_dir),
+        timeline=str(run_dir / "trace.json") if timeline else None,
+        deterministic=True,
+        measure_warmup=experiment.warmup_steps,
+        optim=OptimConfig(name=experiment.optimizer, lr=experiment.lr,  # type: ignore[arg-type]
+                          warmup_steps=experiment.lr_warmup_steps,
+                          lr_scaling=cell.lr_scaling),  # type: ignore[arg-type]
+        ps=PSConfig(servers=cell.servers) if cell.servers is not None else PSConfig(),
+        launch=launch,
+    )
+
+
+def load_results(out: Path) -> list[dict[str, Any]]:
+    """Every recorded cell (the last record wins when a cell was retried)."""
+    path = out / RESULTS_FILE
+    if not path.exists():
+        return []
+    records: dict[str, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            records[record["id"]] = record
+    return list(records.values())
+
+
+def run_sweep(experiment: Experiment, out: Path, *, show_progress: bool = True,
+              timeline: bool = False) -> list[dict]:
+    """Run every cell not yet recorded as ok; return all records."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(experiment.path, out / "experiment.toml")
+    cells = experiment.cells()
+    configs = {cell.id: cell_config(experiment, cell, out, timeline=timeline) for cell in cells}
+    for config in configs.values():
+        validate(config)  # a bad matrix fails before the first job, not halfway
+    done = {r["id"] for r in load_results(out) if r["status"] == "ok"}
+    todo = [cell for cell in cells if cell.id not in done]
+    if done:
+        print(f"resuming {out}: {len(done)} cell(s) already done, {len(todo)} to run")
+    with _SweepProgress(len(cells), len(done), enabled=show_progress) as progress, \
+            open(out / RESULTS_FILE, "a") as results:
+        for cell in todo:
+            config = configs[cell.id]
+            shutil.rmtree(config.out, ignore_errors=True)  # a half-run cell starts afresh
+            metrics = Path(config.out) / METRICS_DIR / "rank0.jsonl"
+            record = progress.run(cell, lambda c=cell, j=config: run_cell(experiment, c, j),
+                                  metrics)
+            results.write(json.dumps(record) + "\n")
+            results.flush()
+    return load_results(out)
+
+
+def run_cell(experiment: Experiment, cell: Cell, config: TrainConfig) -> dict[str, Any]:
+    """Run one cell's job; its record, ``ok`` or ``failed`` with the error."""
+    record: dict[str, Any] = {"id": cell.id, **dataclasses.asdict(cell),
+                              "experiment": experiment.name, "out": config.out}
+    started = time.time()
+    try:
+        summary = run_job(config)
+    except (JobFailed, UserError, Exception) as error:  # recorded; the sweep goes on
+        return {**record, "status": "failed", "error": str(error).splitlines()[0][:500],
+                "wall_s": time.time() - started}
+    records = read_records(Path(config.out))
+    steps = sorted({r["step"] for lines in records.values() for r in lines})
+    step_times = [max(r["step_time_s"] for lines in records.values() for r in lines
+                      if r["step"] == s) for s in steps]
+    workers = [rank for rank in summary["ranks"] if int(rank) < cell.workers]
+    exposed = [summary["ranks"][rank]["exposed_comm_s_per_step"] for rank in workers]
+    return {
+        **record,
+        "status": "ok",
+        "wall_s": time.time() - started,
+        "global_batch_used": summary["global_batch"],
+        "step_times_s": step_times,
+        "throughput": summary["throughput"],
+        "loss": summary["loss"],
+        "bytes_sent_per_step": summary["bytes_sent_per_step"],
+        "exposed_comm_s_per_step": sum(exposed) / len(exposed) if exposed else 0.0,
+        "environment": {**summary["environment"], "link_rate": cell.bandwidth},
+    }
+
+
+class _SweepProgress:
+    """Cells done, ETA and the running cell's samples/s (read from its rank-0 metrics)."""
+
+    def __init__(self, total: int, done: int, *, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, done, enabled
+        self._bar: Progress | None = None
+
+    def __enter__(self) -> _SweepProgress:
+        if self.enabled:
+            self._bar = Progress(TextColumn("cells"), MofNCompleteColumn(), BarColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[status]}"))
+            self._bar.__enter__()
+            self._task = self._bar.add_task("sweep", total=self.total, completed=self.done,
+                                            status="")
+        return self
+
+    def run(self, cell: Cell, job: Callable[[], dict[str, Any]], metrics: Path) -> dict[str, Any]:
+        """Run ``job`` in a thread while showing the cell's live samples/s."""
+        result: dict[str, Any] = {}
+        raised: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                result.update(job())
+            except BaseException as error:  # re-raised on the sweep's thread
+                raised.append(error)
+
+        worker = threading.Thread(target=target, daemon=True)
+        worker.start()
+        while worker.is_alive():
+            self._show(cell, metrics)
+            worker.join(timeout=0.5)
+        if raised:
+            raise raised[0]
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1)
+        else:
+            rate = result.get("throughput", {}).get("median")
+            shown = f"{rate:,.1f} samples/s" if rate else result.get("error", "")
+            print(f"cell {cell.id}: {result['status']} {shown}", flush=True)
+        return result
+
+    def _show(self, cell: Cell, metrics: Path) -> None:
+        if self._bar is None:
+            return
+        rate = ""
+        try:
+            last = metrics.read_text().splitlines()[-1]
+            rate = f"{json.loads(last)['samples_per_s']:,.1f} samples/s"
+        except (OSError, IndexError, ValueError, KeyError):
+            pass
+        self._bar.update(self._task, status=f"{cell.id}  {rate}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)

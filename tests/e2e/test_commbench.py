@@ -1,0 +1,63 @@
+"""``gradsync commbench`` on loopback: table, JSON and PNG with nccl-tests' bandwidths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gradsync.commbench import OPS, busbw_factor
+from tests.e2e.conftest import gradsync
+
+
+def _gradsync(workdir: Path, command: str):
+    """``gradsync COMMAND`` (split on spaces) in ``workdir``."""
+    return gradsync(*command.split(), cwd=workdir)
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_commbench_on_loopback_writes_table_json_and_plot(workdir: Path) -> None:
+    result = _gradsync(
+        workdir, "commbench --workers 3 --sizes 4K,1M --warmup 2 --iters 3 --out bench"
+    )
+    assert result.returncode == 0, result.stderr
+    out = workdir / "bench"
+    payload = json.loads((out / "commbench.json").read_text())
+    assert payload["world_size"] == 3 and payload["hosts"] == 0
+    rows = payload["results"]
+    assert [(r["op"], r["bytes"]) for r in rows] == [
+        (op, size)
+        for op in OPS
+        # allgather's size is the gathered tensor: 3 equal float32 shards of it.
+        for size in ((4092 if op == "allgather" else 4096), 2**20 - (4 if op == "allgather" else 0))
+    ]
+    for row in rows:
+        assert row["time_s"] > 0 and row["iters"] >= 1
+        assert row["algbw_Bps"] == row["bytes"] / row["time_s"]
+        assert row["busbw_factor"] == busbw_factor(row["op"], 3)
+        assert row["busbw_Bps"] == row["algbw_Bps"] * row["busbw_factor"]
+        assert 1e3 < row["busbw_Bps"] < 1e12  # between 1 kB/s and 1 TB/s on loopback
+    factors = {r["op"]: r["busbw_factor"] for r in rows}
+    assert factors == {
+        "allreduce": 4 / 3,
+        "allgather": 2 / 3,
+        "reduce": 1,
+        "broadcast": 1,
+        "p2p": 1,
+    }
+    assert "busbw (GB/s)" in result.stdout and "allgather" in result.stdout
+    assert "| allreduce | 1 MB |" in (out / "commbench.md").read_text()
+    assert (out / "commbench.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_commbench_refuses_bad_input_in_one_line(workdir: Path) -> None:
+    for argv in (
+        "commbench --ops alltoall",
+        "commbench --workers 1",
+        "commbench --sizes lots",
+        "commbench --bandwidth 1gbit",
+    ):
+        result = gradsync(*argv.split(), cwd=workdir)
+        assert result.returncode == 2, argv
+        assert result.stderr.count("\n") == 1, result.stderr
