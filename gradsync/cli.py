@@ -129,6 +129,8 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
         type=_positive_int,
         help="intra-op threads per rank (default: cores / local ranks)",
     )
+    run.add_argument("--interop-threads", type=_positive_int,
+                     help="inter-op threads per rank (default: torch's)")
     run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     run.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
@@ -255,6 +257,7 @@ def _config(args: argparse.Namespace, **overrides: object):
         master_port=getattr(args, "master_port", None),
         timeout_s=args.timeout,
         threads=args.threads,
+        interop_threads=args.interop_threads,
         device=args.device,
         hosts=getattr(args, "hosts", 0),
         ranks_per_host=getattr(args, "ranks_per_host", None),

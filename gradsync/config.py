@@ -116,6 +116,7 @@ class LaunchConfig:
     master_port: int | None = None
     timeout_s: float = 300.0
     threads: int | None = None
+    interop_threads: int | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     hosts: int = 0
     ranks_per_host: int | None = None
@@ -234,14 +235,16 @@ class TrainConfig:
             )
         if launch.threads is not None:
             _check_positive("--threads", launch.threads)
+        if launch.interop_threads is not None:
+            _check_positive("--interop-threads", launch.interop_threads)
         if launch.master_port is not None and not 0 < launch.master_port < 65536:
             raise UserError(f"--master-port {launch.master_port} is not a TCP port (1..65535)")
         if not launch.timeout_s > 0:
             raise UserError(f"--timeout must be > 0 seconds, got {launch.timeout_s}")
-        if self.data is not None and not Path(self.data).exists():
+        if self.data is not None and ":" not in self.data and not Path(self.data).exists():
             raise UserError(
                 f"--data {self.data} does not exist; pass the path of the data "
-                "file or directory for this model"
+                "file or directory for this model (or sklearn:digits for mnist-cnn)"
             )
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -7,6 +7,7 @@ Started by gradsync's launcher (``python -m gradsync.runtime CONFIG``), or direc
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -22,8 +23,10 @@ from gradsync.comm.batchnorm import convert_batchnorm
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed
 from gradsync.errors import UserError
+from gradsync.evaluate import validation_accuracy
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import build_workload
+from gradsync.models.base import Workload
 from gradsync.optim import Updater, effective_lr
 from gradsync.progress import StepProgress
 from gradsync.strategies import Context, Strategy, strategy_class
@@ -38,9 +41,12 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
     """Train as rank ``env.rank`` of ``env.world_size``; rank 0 writes the summary."""
     threads = config.launch.threads or default_threads(env.local_world_size)
     torch.set_num_threads(threads)
+    if config.launch.interop_threads is not None:
+        torch.set_num_interop_threads(config.launch.interop_threads)
     print(
         f"[rank {env.rank}] {env.launcher}: intra-op threads {threads} "
-        f"({os.cpu_count()} cores / {env.local_world_size} local ranks)",
+        f"({os.cpu_count()} cores / {env.local_world_size} local ranks), "
+        f"inter-op threads {torch.get_num_interop_threads()}",
         flush=True,
     )
     device = _device(config, env)
@@ -94,6 +100,9 @@ def _train_and_record(
     model = workload.model.to(device)
     if num_workers > 1 and convert_batchnorm(model, group=worker_group) and env.rank == 0:
         print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
+    if env.rank == 0 and (per_epoch := _iterations_per_epoch(workload, global_batch)):
+        print(f"[rank 0] data: {workload.num_train_samples:,} training samples, so an epoch is "
+              f"{per_epoch:,} iterations at global batch {global_batch}", flush=True)
     torch.manual_seed(mix_seed(config.seed, env.rank))  # dropout differs per rank, reproducibly
 
     base_batch = workload.global_batch
@@ -141,6 +150,7 @@ def _train_and_record(
     timeline.close()
     _write_checkpoint(strategy, out, {**meta, "step": config.steps})
     strategy.finish()
+    accuracy = validation_accuracy(workload.model, workload, device) if env.rank == 0 else None
     if dist.is_initialized():
         dist.barrier()  # every rank's metrics are on disk before rank 0 summarizes
     if env.rank == 0 and config.timeline is not None:
@@ -156,14 +166,25 @@ def _train_and_record(
                 "steps": config.steps,
                 "launcher": env.launcher,
                 "environment": environment(threads),
+                "validation_accuracy": accuracy,
+                "iterations_per_epoch": _iterations_per_epoch(workload, global_batch),
             },
         )
         print(
             f"[rank 0] {config.strategy}: {summary['throughput']['median']:,.1f} samples/s "
             f"(median after {summary['throughput']['warmup_steps']} warm-up steps), "
-            f"final loss {summary['final_loss']:.4f}; results in {out}",
+            f"final loss {summary['final_loss']:.4f}"
+            + ("" if accuracy is None else f", validation accuracy {accuracy:.1%}")
+            + f"; results in {out}",
             flush=True,
         )
+
+
+def _iterations_per_epoch(workload: Workload, global_batch: int) -> int | None:
+    """Steps per pass over a real training set (None for synthetic data)."""
+    if workload.num_train_samples is None:
+        return None
+    return math.ceil(workload.num_train_samples / global_batch)
 
 
 def _serve(

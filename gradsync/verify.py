@@ -111,7 +111,7 @@ def run_matrix(
     outcomes: list[Outcome] = []
     for config in configs:
         if log and config is not configs[0]:
-            print(f"running {config.strategy} with {config.workers} worker(s) ...", flush=True)
+            print(f"running {labels[config.out]} with {config.workers} worker(s) ...", flush=True)
         summary = run_job(config) if config is not configs[0] else load_summary(Path(config.out))
         checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE)
         diff = worst(diff_checkpoints(reference, checkpoint, include_optimizer=False))

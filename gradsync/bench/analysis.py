@@ -40,6 +40,8 @@ class Row:
     bytes_per_step: float
     exposed_comm_ms: float
     loss: list[float]
+    accuracy: float | None = None
+    iterations_per_epoch: int | None = None
     speedup: float | None = None
     efficiency: float | None = None
     max_abs: float | None = None
@@ -99,7 +101,14 @@ def _combine(group: list[dict[str, Any]]) -> Row:
         bytes_per_step=statistics.median(r["bytes_sent_per_step"] for r in group),
         exposed_comm_ms=1000 * statistics.median(r["exposed_comm_s_per_step"] for r in group),
         loss=first["loss"], outs=[r["out"] for r in group],
+        accuracy=_median_or_none(r.get("validation_accuracy") for r in group),
+        iterations_per_epoch=first.get("iterations_per_epoch"),
     )
+
+
+def _median_or_none(values: Any) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def _check_correctness(experiment: Experiment, records: list[dict[str, Any]],

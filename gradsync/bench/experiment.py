@@ -37,7 +37,9 @@ KEYS: dict[str, str] = {
     "workers": "worker counts (list of positive integers)",
     "servers": "server counts for strategies with servers (list of positive integers)",
     "global_batch": "global batch sizes (list of positive integers)",
+    "batch_per_worker": "per-worker batch sizes; global batch = this × workers (list)",
     "threads": "intra-op threads per rank (list of positive integers)",
+    "interop_threads": "inter-op threads per rank (list of positive integers)",
     "bandwidths": "emulated link rates, e.g. \"1gbit\" (list; needs root for namespaces)",
     "hosts": "emulated hosts when bandwidths are set (positive integer, default 2)",
     "lr_scaling": "learning-rate scaling rules: none | linear | sqrt (list)",
@@ -62,6 +64,7 @@ class Cell:
     servers: int | None = None
     global_batch: int | None = None
     threads: int | None = None
+    interop_threads: int | None = None
     bandwidth: str | None = None
     lr_scaling: str = "none"
     repeat: int = 0
@@ -73,7 +76,8 @@ class Cell:
         parts = [self.role, self.model.replace("/", "_").replace(":", "_"), self.strategy,
                  f"w{self.workers}"]
         for label, value in (("s", self.servers), ("b", self.global_batch),
-                             ("t", self.threads), ("bw", self.bandwidth)):
+                             ("t", self.threads), ("i", self.interop_threads),
+                             ("bw", self.bandwidth)):
             if value is not None:
                 parts.append(f"{label}{value}")
         if self.lr_scaling != "none":
@@ -84,7 +88,7 @@ class Cell:
     def group(self) -> tuple[Any, ...]:
         """Cells that differ only by repeat belong together."""
         return (self.model, self.strategy, self.workers, self.servers, self.global_batch,
-                self.threads, self.bandwidth, self.lr_scaling, self.role)
+                self.threads, self.interop_threads, self.bandwidth, self.lr_scaling, self.role)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +106,9 @@ class Experiment:
     workers: list[int] = field(default_factory=lambda: [2])
     servers: list[int] = field(default_factory=lambda: [1])
     global_batch: list[int | None] = field(default_factory=lambda: [None])
+    batch_per_worker: list[int] | None = None
     threads: list[int | None] = field(default_factory=lambda: [None])
+    interop_threads: list[int | None] = field(default_factory=lambda: [None])
     bandwidths: list[str | None] = field(default_factory=lambda: [None])
     hosts: int = 2
     lr_scaling: list[str] = field(default_factory=lambda: ["none"])
@@ -117,25 +123,30 @@ class Experiment:
 
     def cells(self) -> list[Cell]:
         """The matrix, reference cells first (so correctness is known as early as possible)."""
-        cells: list[Cell] = []
-        if self.verify:
-            for model, batch, scaling in itertools.product(self.models, self.global_batch,
-                                                           self.lr_scaling):
-                common = dict(model=model, strategy="single", workers=1, global_batch=batch,
-                              lr_scaling=scaling)
-                cells.append(Cell(**common, role="reference"))
-                cells.append(Cell(**common, threads=1, role="reference-rerun"))
-        for repeat, model, strategy, workers, batch, threads, bandwidth, scaling in (
+        measured: list[Cell] = []
+        for repeat, model, strategy, workers, batch, threads, interop, bandwidth, scaling in (
             itertools.product(range(self.repeats), self.models, self.strategies, self.workers,
-                              self.global_batch, self.threads, self.bandwidths, self.lr_scaling)
+                              self.batch_per_worker or self.global_batch, self.threads,
+                              self.interop_threads, self.bandwidths, self.lr_scaling)
         ):
             if strategy == "single" and workers != 1:
                 continue
+            if self.batch_per_worker:
+                batch = batch * workers  # type: ignore[operator]
             for servers in self.servers if has_servers(strategy) else [None]:
-                cells.append(Cell(model=model, strategy=strategy, workers=workers,
-                                  servers=servers, global_batch=batch, threads=threads,
-                                  bandwidth=bandwidth, lr_scaling=scaling, repeat=repeat))
-        return cells
+                measured.append(Cell(model=model, strategy=strategy, workers=workers,
+                                     servers=servers, global_batch=batch, threads=threads,
+                                     interop_threads=interop, bandwidth=bandwidth,
+                                     lr_scaling=scaling, repeat=repeat))
+        references: list[Cell] = []
+        if self.verify:
+            keys = dict.fromkeys((c.model, c.global_batch, c.lr_scaling) for c in measured)
+            for model, batch, scaling in keys:
+                common = dict(model=model, strategy="single", workers=1, global_batch=batch,
+                              lr_scaling=scaling)
+                references.append(Cell(**common, role="reference"))
+                references.append(Cell(**common, threads=1, role="reference-rerun"))
+        return references + measured
 
 
 def has_servers(strategy: str) -> bool:
@@ -165,7 +176,8 @@ def load_experiment(path: str | Path) -> Experiment:
     for key in ("models", "strategies", "lr_scaling"):
         if key in raw:
             values[key] = _strings(raw[key], key, where)
-    for key in ("workers", "servers", "global_batch", "threads"):
+    for key in ("workers", "servers", "global_batch", "batch_per_worker", "threads",
+                "interop_threads"):
         if key in raw:
             values[key] = _positive_ints(raw[key], key, where)
     if "bandwidths" in raw:
@@ -191,6 +203,8 @@ def load_experiment(path: str | Path) -> Experiment:
         values["verify"] = raw["verify"]
     if "model_options" in raw:
         values["model_options"] = _model_options(raw["model_options"], where)
+    if "batch_per_worker" in values and "global_batch" in values:
+        raise UserError(f"{where}: give global_batch or batch_per_worker, not both")
     experiment = Experiment(**values)
     _check_names(experiment, where)
     return experiment

@@ -21,9 +21,9 @@ from gradsync.tables import markdown_table
 
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"
-HEADERS = ["strategy", "workers", "servers", "batch", "threads", "link", "lr rule",
+HEADERS = ["strategy", "workers", "servers", "batch", "threads", "inter-op", "link", "lr rule",
            "samples/s median (min–max)", "spread", "speedup", "efficiency", "bytes sent/step",
-           "exposed comm/step", "max |Δ| vs single", "verdict"]
+           "exposed comm/step", "max |Δ| vs single", "verdict", "val. accuracy", "iters/epoch"]
 
 
 def write_report(out: Path) -> Path:
@@ -43,7 +43,7 @@ def write_report(out: Path) -> Path:
         if not mine:
             lines += ["No successful cells.", ""]
             continue
-        lines += [markdown_table(HEADERS, [_cells(row) for row in mine]), ""]
+        lines += [_table(mine), ""]
         lines += [reading(mine), ""]
         for kind, path in _plots(out, model, mine, experiment.strategies).items():
             lines += [f"![{kind}]({path.relative_to(out)})", ""]
@@ -67,11 +67,21 @@ def _environment(records: list[dict]) -> list[str]:
             "steps left out; throughput is the whole job's samples/s.", ""]
 
 
+def _table(rows: list[Row]) -> str:
+    """The model's table, without columns that are empty in every row."""
+    cells = [_cells(row) for row in rows]
+    keep = [i for i, header in enumerate(HEADERS)
+            if header in ("strategy", "workers", "samples/s median (min–max)")
+            or any(row[i] not in ("-", "") for row in cells)]
+    return markdown_table([HEADERS[i] for i in keep], [[row[i] for i in keep] for row in cells])
+
+
 def _cells(row: Row) -> list[str]:
     cell = row.cell
     return [
         cell.strategy, str(cell.workers), _dash(cell.servers), _dash(cell.global_batch),
-        _dash(cell.threads), cell.bandwidth or "loopback", cell.lr_scaling,
+        _dash(cell.threads), _dash(cell.interop_threads), cell.bandwidth or "loopback",
+        cell.lr_scaling,
         f"{row.median:,.1f} ({row.low:,.1f}–{row.high:,.1f})",
         f"{row.spread:.0%}" + (" noisy" if row.noisy else ""),
         "-" if row.speedup is None else f"{row.speedup:.2f}×",
@@ -79,6 +89,8 @@ def _cells(row: Row) -> list[str]:
         f"{row.bytes_per_step / 2**20:,.2f} MB", f"{row.exposed_comm_ms:.1f} ms",
         "-" if row.max_abs is None else f"{row.max_abs:.1e} (tol {row.tolerance:.0e})",
         row.verdict,
+        "-" if row.accuracy is None else f"{row.accuracy:.1%}",
+        _dash(row.iterations_per_epoch),
     ]
 
 

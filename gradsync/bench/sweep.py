@@ -44,10 +44,9 @@ def cell_config(experiment: Experiment, cell: Cell, out: Path, *,
     With ``timeline`` the job also writes ``cells/<id>/trace.json`` (see gradsync.trace).
     """
     run_dir = out / CELLS_DIR / cell.id
-    launch = LaunchConfig(threads=cell.threads)
+    launch = LaunchConfig(threads=cell.threads, interop_threads=cell.interop_threads)
     if cell.bandwidth is not None:
-        launch = LaunchConfig(threads=cell.threads, hosts=experiment.hosts,
-                              bandwidth=cell.bandwidth)
+        launch = dataclasses.replace(launch, hosts=experiment.hosts, bandwidth=cell.bandwidth)
     return TrainConfig(
         model=cell.model,
         preset=experiment.preset,
@@ -135,6 +134,8 @@ def run_cell(experiment: Experiment, cell: Cell, config: TrainConfig) -> dict[st
         "loss": summary["loss"],
         "bytes_sent_per_step": summary["bytes_sent_per_step"],
         "exposed_comm_s_per_step": sum(exposed) / len(exposed) if exposed else 0.0,
+        "validation_accuracy": summary.get("validation_accuracy"),
+        "iterations_per_epoch": summary.get("iterations_per_epoch"),
         "environment": {**summary["environment"], "link_rate": cell.bandwidth},
     }
 

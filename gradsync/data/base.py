@@ -138,3 +138,31 @@ class IndexedSamples:
 
     def gather(self, indices: Tensor) -> Batch:
         raise NotImplementedError
+
+
+class HeldOutSteps:
+    """Validation samples for synthetic data: the samples of steps no training run reaches.
+
+    Step ``s`` of this view is step ``offset + s`` of ``dataset`` (same distribution, never
+    trained on, since runs are far shorter than ``offset`` steps).
+    """
+
+    OFFSET = 1 << 40
+
+    def __init__(self, dataset: Dataset, num_samples: int) -> None:
+        self.dataset = dataset
+        self.num_samples = num_samples
+
+    def batch(self, *, step: int, size: int, start: int, stop: int) -> Batch:
+        return self.dataset.batch(step=self.OFFSET + step, size=size, start=start, stop=stop)
+
+
+class FixedSamples:
+    """A fixed set (validation): the same samples in the same order at every step."""
+
+    def __init__(self, images: Tensor, labels: Tensor) -> None:
+        self.images, self.labels = images, labels
+        self.num_samples = len(labels)
+
+    def batch(self, *, step: int, size: int, start: int, stop: int) -> Batch:
+        return Batch(inputs=(self.images[start:stop],), targets=self.labels[start:stop])

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradsync.data.base import Batch, IndexedSamples
+from gradsync.data.base import Batch, FixedSamples, IndexedSamples
 from gradsync.errors import UserError
 
 IMAGES_FILE = "train-images-idx3-ubyte"
@@ -119,3 +119,26 @@ class MNISTImages(IndexedSamples):
     def gather(self, indices: Tensor) -> Batch:
         images = self.images[indices].float() / 255.0
         return Batch(inputs=(images,), targets=self.labels[indices])
+
+
+TEST_IMAGES_FILE = "t10k-images-idx3-ubyte"
+TEST_LABELS_FILE = "t10k-labels-idx1-ubyte"
+
+
+def mnist_test_set(directory: str | Path) -> FixedSamples | None:
+    """The 10,000 MNIST test images (``t10k-*`` idx files) for validation, if present."""
+    location = Path(directory)
+    if not any((location / f"{TEST_IMAGES_FILE}{ext}").is_file() for ext in ("", ".gz")):
+        return None
+    (count, rows, columns), pixels = read_idx(
+        location, TEST_IMAGES_FILE, magic=IMAGES_MAGIC, num_dims=3
+    )
+    (label_count,), label_bytes = read_idx(
+        location, TEST_LABELS_FILE, magic=LABELS_MAGIC, num_dims=1
+    )
+    if count != label_count:
+        raise UserError(f"MNIST test files in {location} disagree: {count} images but "
+                        f"{label_count} labels; {_HOW_TO_FIX}")
+    images = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(count, 1, rows, columns)
+    labels = torch.frombuffer(bytearray(label_bytes), dtype=torch.uint8).long()
+    return FixedSamples(images.float() / 255.0, labels)

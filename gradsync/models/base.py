@@ -30,6 +30,9 @@ class Workload:
 
     ``global_batch`` is the preset's default global batch size. ``loss`` must be a mean over
     samples so that averaging equal shards' gradients equals the global-batch gradient.
+    A classifier may carry ``validation`` (``num_validation`` held-out samples, read as one
+    global batch of step 0) for validation accuracy; ``num_train_samples`` is the size of a
+    real training set (for iterations per epoch), None for synthetic data.
     """
 
     model: nn.Module
@@ -37,6 +40,9 @@ class Workload:
     loss: LossFn
     global_batch: int
     description: str = ""
+    validation: Dataset | None = None
+    num_validation: int = 0
+    num_train_samples: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,17 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradsync.data.base import Dataset
-from gradsync.data.mnist import NUM_CLASSES, MNISTImages
+from gradsync.data.base import Dataset, HeldOutSteps
+from gradsync.data.digits import SOURCE as DIGITS
+from gradsync.data.digits import digits_split
+from gradsync.data.mnist import NUM_CLASSES, MNISTImages, mnist_test_set
 from gradsync.data.synthetic import SyntheticImages
 from gradsync.errors import UserError
 from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
 
 NAME = "mnist-cnn"
+SYNTHETIC_VALIDATION = 1000  # held-out samples for validation accuracy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +110,7 @@ def build(request: BuildRequest) -> Workload:
     config = PRESETS[request.preset]
     if not request.dropout:
         config = dataclasses.replace(config, dropout=0.0)
-    dataset = _dataset(config, request)
+    dataset, validation, num_train = _datasets(config, request)
     model = MNISTCNN(config)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
     return Workload(
@@ -114,6 +118,9 @@ def build(request: BuildRequest) -> Workload:
         dataset=dataset,
         loss=F.cross_entropy,
         global_batch=config.global_batch,
+        validation=validation,
+        num_validation=validation.num_samples if validation is not None else 0,
+        num_train_samples=num_train,
         description=(
             f"{NAME} ({request.preset}): conv {config.conv1_channels}/{config.conv2_channels}, "
             f"fc {config.hidden_units}, {num_parameters:,} parameters, "
@@ -122,19 +129,24 @@ def build(request: BuildRequest) -> Workload:
     )
 
 
-def _dataset(config: MNISTCNNConfig, request: BuildRequest) -> Dataset:
+def _datasets(config: MNISTCNNConfig, request: BuildRequest) -> tuple[Dataset, Any, int | None]:
+    """Training data, validation data (with ``num_samples``) and the training set's size."""
     image_shape = (1, config.image_size, config.image_size)
     if request.data is None:
-        return SyntheticImages(
+        synthetic = SyntheticImages(
             seed=request.seed, num_classes=config.num_classes, image_shape=image_shape
         )
+        return synthetic, HeldOutSteps(synthetic, num_samples=SYNTHETIC_VALIDATION), None
+    if request.data == DIGITS:
+        train, validation = digits_split(seed=request.seed, image_size=config.image_size)
+        return train, validation, train.num_samples
     images = MNISTImages(request.data, seed=request.seed)
     if images.image_shape != image_shape:
         raise UserError(
             f"MNIST images in {request.data} are {images.image_shape}, model '{NAME}' takes "
             f"{image_shape}; pass the standard 28x28 MNIST idx files"
         )
-    return images
+    return images, mnist_test_set(request.data), images.num_samples
 
 
 SPEC = ModelSpec(

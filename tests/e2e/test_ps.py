@@ -1,0 +1,167 @@
+"""Strategy ``ps`` end to end: equivalence, asynchronous runs, a dead server, bad topologies.
+
+Each job costs seconds of process start-up on a small machine, so the sync matrix is
+spread over the models: every model runs dedicated and colocated servers; together they
+cover 1 and 2 dedicated servers and colocated servers at 2 and 4 workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import gradsync, verify_outcomes
+
+SYNC_CELLS = {
+    # model: (extra options, verify --strategies, --workers, --steps)
+    "transformer": ([], "ps,ps:servers=2,ps:colocate", "2,4", "20"),
+    "lstm-lm": (
+        ["--model-option", "sparse=true", "--model-option", "sampled_softmax=16"],
+        "ps:servers=2,ps:colocate",
+        "2,4",
+        "20",
+    ),
+    "resnet56": ([], "ps,ps:colocate", "4", "10"),
+}
+
+
+@pytest.mark.parametrize("model", list(SYNC_CELLS))
+def test_sync_ps_matches_single(model: str, workdir: Path) -> None:
+    options, strategies, workers, steps = SYNC_CELLS[model]
+    out = workdir / "verify"
+    result = gradsync(
+        "verify",
+        "--model",
+        model,
+        "--preset",
+        "tiny",
+        *options,
+        "--strategies",
+        strategies,
+        "--workers",
+        workers,
+        "--steps",
+        steps,
+        "--out",
+        str(out),
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    outcomes = verify_outcomes(out)
+    expected = {(s, int(w)) for s in strategies.split(",") for w in workers.split(",")}
+    assert {(o["strategy"], o["workers"]) for o in outcomes} == expected | {("single", 1)}
+    for outcome in outcomes:
+        assert outcome["verdict"] in ("reference", "match"), outcome
+        assert outcome["max_abs"] <= outcome["tolerance"]
+    # Servers write their own metrics: bytes per step for each server.
+    summary = json.loads((out / f"ps-colocate-w{workers[-1]}" / "summary.json").read_text())
+    assert len(summary["servers"]) == int(workers[-1])
+    assert all(s["bytes_recv_per_step"] > 0 for s in summary["servers"].values())
+
+
+def test_async_and_stale_runs_learn_and_are_reported_as_asynchronous(workdir: Path) -> None:
+    out = workdir / "verify"
+    result = gradsync(
+        "verify",
+        "--model",
+        "lstm-lm",
+        "--preset",
+        "tiny",
+        "--strategies",
+        "ps:async,ps:staleness=2",
+        "--workers",
+        "2",
+        "--steps",
+        "100",
+        "--out",
+        str(out),
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "differs: asynchronous" in result.stdout
+    for outcome in verify_outcomes(out)[1:]:
+        assert outcome["verdict"] == "differs: asynchronous updates", outcome
+        assert f"distance to single {outcome['max_abs']:.2e}" in outcome["reason"]
+        loss = json.loads((Path(outcome["out"]) / "summary.json").read_text())["loss"]
+        assert len(loss) == 100
+        assert statistics.fmean(loss[-10:]) < loss[0] - 0.02, (outcome["strategy"], loss)
+
+
+def test_killed_server_ends_the_job_naming_it(workdir: Path) -> None:
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gradsync",
+            "train",
+            "--model",
+            "lstm-lm",
+            "--preset",
+            "tiny",
+            "--strategy",
+            "ps",
+            "--servers",
+            "2",
+            "--workers",
+            "2",
+            "--steps",
+            "100000",
+            "--out",
+            "run",
+        ],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        metrics = workdir / "run" / "metrics" / "server3.jsonl"
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert time.monotonic() < deadline and job.poll() is None, "the job never started"
+            time.sleep(0.1)
+        pids = json.loads((workdir / "run" / "ranks-node0.json").read_text())
+        killed_at = time.monotonic()
+        os.kill(pids["3"], signal.SIGKILL)
+        _, stderr = job.communicate(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode not in (0, None)
+    assert elapsed < 30
+    assert "rank 3 (server 1" in stderr and "SIGKILL" in stderr, stderr
+    for rank in ("0", "1", "2"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids[rank], 0)  # no orphans
+
+
+BAD_TOPOLOGIES = {
+    "no workers": (["--workers", "0"], "--workers: 0 is not a positive integer"),
+    "servers and colocate": (["--servers", "2", "--colocate"], "--servers 2 with --colocate"),
+    "more servers than variables": (
+        ["--model", "mnist-cnn", "--servers", "30"],
+        "30 parameter servers but only 8 variables",
+    ),
+    "no servers": (["--servers", "0"], "--servers 0 leaves no parameter server"),
+    "staleness in sync mode": (["--staleness", "0"], "--staleness 0 is lock-step"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TOPOLOGIES))
+def test_bad_topology_is_one_line_and_exit_2(case: str, workdir: Path) -> None:
+    args, message = BAD_TOPOLOGIES[case]
+    result = gradsync(
+        "train", "--strategy", "ps", "--preset", "tiny", *args, "--out", "run", cwd=workdir
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradsync: error: ") and message in lines[0]
