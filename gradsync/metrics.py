@@ -142,9 +142,10 @@ def summarize(
         summary["servers"] = {
             rank: {
                 "server": lines[0]["server"],
-                "bytes_recv_per_step": _mean(r["bytes_recv"] for r in lines if r["step"] in measured),
-                "bytes_sent_per_step": _mean(r["bytes_sent"] for r in lines if r["step"] in measured),
-                "busy_s_per_step": _mean(r["busy_s"] for r in lines if r["step"] in measured),
+                **{
+                    f"{key}_per_step": _mean(r[key] for r in lines if r["step"] in measured)
+                    for key in ("bytes_recv", "bytes_sent", "busy_s")
+                },
             }
             for rank, lines in servers.items()
         }

@@ -21,7 +21,6 @@ to what floating point allows, not to a figure measured on tiny ones.
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -181,7 +180,8 @@ def cell_config(base: TrainConfig, spec: str, workers: int, out: Path) -> TrainC
             values[key] = _option_value(getattr(section, key), text, spec)
         changes[name] = dataclasses.replace(section, **values)
     label = spec.replace(":", "-").replace("=", "")
-    return base.replace(strategy=name, workers=workers, out=str(out / f"{label}-w{workers}"), **changes)
+    cell_out = str(out / f"{label}-w{workers}")
+    return base.replace(strategy=name, workers=workers, out=cell_out, **changes)
 
 
 def _option_value(current: Any, text: str, spec: str) -> Any:

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ def partition_variables(
         count = max(1, min(count, variable.numel))
         bounds = [variable.numel * i // count for i in range(count + 1)]
         # Larger pieces first, so the split matches torch.tensor_split's sizes.
-        sizes = sorted((b - a for a, b in zip(bounds, bounds[1:], strict=False)), reverse=True)
+        sizes = sorted((b - a for a, b in itertools.pairwise(bounds)), reverse=True)
         start = 0
         for size in sizes:
             partitions.append(Partition(variable.name, start, start + size, variable.element_size))

@@ -131,7 +131,10 @@ class Outbox:
         self.remote = remote
         self.local_worker = local_worker
         self.group = group
-        self.local: dict[int, queue.Queue[Tensor]] = {TAG_PULL: queue.Queue(), TAG_STATE: queue.Queue()}
+        self.local: dict[int, queue.Queue[Tensor]] = {
+            TAG_PULL: queue.Queue(),
+            TAG_STATE: queue.Queue(),
+        }
         self._pending: list[tuple[Any, Tensor]] = []
 
     def send(self, worker: int, tensor: Tensor, tag: int = TAG_PULL) -> int:

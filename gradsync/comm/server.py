@@ -107,7 +107,11 @@ class RoundLog:
             if t.pushes < self.num_workers or t.replies < self.num_workers:
                 return
             del self.tallies[step]
-            self.on_round(ServerRound(step=step, bytes_recv=t.bytes_recv, bytes_sent=t.bytes_sent, busy_s=t.busy_s))
+            self.on_round(
+                ServerRound(
+                    step=step, bytes_recv=t.bytes_recv, bytes_sent=t.bytes_sent, busy_s=t.busy_s
+                )
+            )
 
 
 class SyncRounds:

@@ -81,14 +81,14 @@ class Strategy(ABC):
         """Server ranks only: serve workers until they finish."""
         raise NotImplementedError(f"strategy '{self.name}' has no server ranks")
 
-    def finish(self) -> None:
+    def finish(self) -> None:  # noqa: B027 - optional hook
         """After the last step and the final checkpoint: release servers, threads, peers."""
 
     def current_lr(self) -> float:
         """The learning rate of the last update (for the metrics)."""
         return self.updater.lr if self.updater is not None else 0.0
 
-    @classmethod
+    @classmethod  # noqa: B027 - optional hook
     def check_config(cls, config: TrainConfig) -> None:
         """Raise UserError, before any process starts, if ``config`` cannot run."""
 

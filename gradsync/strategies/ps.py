@@ -76,7 +76,10 @@ class ParameterServer(Strategy):
             dropout=False,
             options=config.model_options,
         )
-        _plan(config, [_variable(n, p) for n, p in workload.model.named_parameters() if p.requires_grad])
+        _plan(
+            config,
+            [_variable(n, p) for n, p in workload.model.named_parameters() if p.requires_grad],
+        )
 
     @classmethod
     def is_synchronous(cls, config: TrainConfig) -> bool:
@@ -122,9 +125,7 @@ class ParameterServer(Strategy):
                 f"{where}):\n{self.placement.describe()}",
                 flush=True,
             )
-        self.slots = [
-            _slots(self.placement.on_server(s)) for s in range(self.num_servers)
-        ]
+        self.slots = [_slots(self.placement.on_server(s)) for s in range(self.num_servers)]
         return spec[0]
 
     def _make_server(self, server: int, spec: dict[str, Any], local_worker: int | None):
@@ -200,7 +201,9 @@ class ParameterServer(Strategy):
         self._server_thread: threading.Thread | None = None
         if context.config.ps.colocate:
             server = context.rank
-            state, inbox, outbox = self._make_server(server, spec, local_worker=context.worker_index)
+            state, inbox, outbox = self._make_server(
+                server, spec, local_worker=context.worker_index
+            )
             local = (inbox, outbox)
             self._server_thread = threading.Thread(
                 target=self._serve_or_die,

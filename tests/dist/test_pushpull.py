@@ -61,7 +61,7 @@ def test_sync_server_averages_pushes_and_answers_everyone(run_ranks) -> None:
 
 
 def test_async_server_applies_every_push(run_ranks) -> None:
-    worker0, worker1, rounds = run_ranks(3, _dedicated, False)
+    worker0, _, rounds = run_ranks(3, _dedicated, False)
     # Six pushes, each scaled by 1/2: the final values are the same as the sync run's.
     assert worker0[1] == [-2.25] * 3
     assert len(rounds) == 3

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -54,9 +56,9 @@ def test_more_servers_than_variables_is_a_user_error() -> None:
         plan_placement([Variable("a", 4), Variable("b", 4)], num_servers=3)
 
 
-variables_lists = st.lists(
-    st.integers(min_value=1, max_value=5_000), min_size=1, max_size=40
-).map(lambda sizes: [Variable(f"v{i}", n) for i, n in enumerate(sizes)])
+variables_lists = st.lists(st.integers(min_value=1, max_value=5_000), min_size=1, max_size=40).map(
+    lambda sizes: [Variable(f"v{i}", n) for i, n in enumerate(sizes)]
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -68,7 +70,7 @@ def test_partitions_cover_every_element_once(
     for variable in variables:
         mine = sorted((p.start, p.stop) for p in partitions if p.name == variable.name)
         assert mine[0][0] == 0 and mine[-1][1] == variable.numel
-        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(mine))
         assert len(mine) <= num_servers
         if len(mine) > 1:
             assert variable.num_bytes > threshold
