@@ -74,7 +74,8 @@ def main() -> None:
                 summary = run_job(config)
                 rates[name].append(summary["throughput"]["median"])
                 per_server = sorted(summary.get("servers", {}).values(), key=lambda s: s["server"])
-                servers[name] = [s["bytes_recv_per_step"] for s in per_server]
+                if strategy == "ps":
+                    servers[name] = [s["bytes_recv_per_step"] for s in per_server]
     print(
         f"{args.model} ({args.preset}), {args.workers} workers, {args.steps} steps, "
         f"{args.repeats} interleaved repeats"

@@ -212,7 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_netem_options(train)
 
     verify = commands.add_parser("verify", help="check strategies against single")
-    verify.add_argument("--strategies", help="comma-separated (default: every registered one)")
+    verify.add_argument(
+        "--strategies",
+        help="comma-separated (default: every registered one); options after colons, "
+        "e.g. ps,ps:servers=2,ps:colocate,ps:async,ps:staleness=2",
+    )
     verify.add_argument("--workers", type=_int_list, default=[2], help="e.g. 2,4")
     _add_model_options(verify, default_steps=20)
     _add_netem_options(verify)

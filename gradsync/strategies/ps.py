@@ -50,6 +50,10 @@ class _Slot:
     stop: int
     offset: int
 
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
 
 class ParameterServer(Strategy):
     """Workers push gradients to sharded servers and pull parameters back."""
@@ -243,7 +247,7 @@ class ParameterServer(Strategy):
             for slot in slots:
                 if slot.name not in grads:
                     grads[slot.name] = _dense_grad(self.params[slot.name])
-                payload[slot.offset : slot.offset + slot.stop - slot.start].copy_(
+                payload[slot.offset : slot.offset + slot.numel].copy_(
                     grads[slot.name][slot.start : slot.stop]
                 )
         # Sync point: every server has answered with the values for the next forward.
@@ -254,7 +258,7 @@ class ParameterServer(Strategy):
                 for slot in slots:
                     flat = self.params[slot.name].view(-1)
                     flat[slot.start : slot.stop].copy_(
-                        values[slot.offset : slot.offset + slot.stop - slot.start]
+                        values[slot.offset : slot.offset + slot.numel]
                     )
         for param in self.params.values():
             param.grad = None
@@ -272,29 +276,23 @@ class ParameterServer(Strategy):
         if self.context is None or self.context.worker_index != 0 or self.model is None:
             return None
         states = self.client.request_state()
-        pieces: dict[str, list[tuple[int, str, _Slot, int]]] = {}
+        pieces: dict[str, list[tuple[_Slot, dict[str, Tensor]]]] = {}
         for server, slots in enumerate(self.slots):
             for slot in slots:
-                pieces.setdefault(slot.name, []).append((slot.start, "", slot, server))
+                pieces.setdefault(slot.name, []).append((slot, states[server]))
         tensors: dict[str, Tensor] = {}
         for name, param in self.model.named_parameters():
             if name not in pieces:  # frozen: never placed, the worker's copy is the truth
                 tensors[PARAM + name] = param.detach().clone()
                 continue
-            parts = sorted(pieces[name], key=lambda piece: piece[0])
-            first = states[parts[0][3]]
-            for key in ["values", *(k for k in first if k.startswith("optim/"))]:
-                if first[key].dim() == 0:  # a scalar such as Adam's step: equal everywhere
-                    tensors[f"{OPTIM}{name}/{key.removeprefix('optim/')}"] = first[key]
+            parts = sorted(pieces[name], key=lambda piece: piece[0].start)
+            for key, first in parts[0][1].items():
+                label = PARAM + name if key == "values" else OPTIM + name + key[len("optim") :]
+                if first.dim() == 0:  # a scalar such as Adam's step: equal on every server
+                    tensors[label] = first
                     continue
-                flat = torch.cat(
-                    [
-                        states[server][key][slot.offset : slot.offset + slot.stop - slot.start]
-                        for _, _, slot, server in parts
-                    ]
-                ).view(param.shape)
-                label = PARAM + name if key == "values" else f"{OPTIM}{name}/{key[6:]}"
-                tensors[label] = flat
+                flat = [state[key][slot.offset : slot.offset + slot.numel] for slot, state in parts]
+                tensors[label] = torch.cat(flat).view(param.shape)
         for name, buffer in self.model.named_buffers():
             tensors[BUFFER + name] = buffer.detach().clone()
         return {k: v.cpu().contiguous() for k, v in tensors.items()}
@@ -332,7 +330,7 @@ def _slots(partitions: list[Any]) -> list[_Slot]:
 
 
 def state_size(slots: list[_Slot]) -> int:
-    return sum(s.stop - s.start for s in slots)
+    return sum(s.numel for s in slots)
 
 
 def _dense_grad(param: nn.Parameter) -> Tensor:
