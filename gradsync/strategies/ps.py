@@ -289,7 +289,7 @@ class ParameterServer(Strategy):
             for key, first in parts[0][1].items():
                 label = PARAM + name if key == "values" else OPTIM + name + key[len("optim") :]
                 if first.dim() == 0:  # a scalar such as Adam's step: equal on every server
-                    tensors[label] = first
+                    tensors[label] = first.clone()  # one tensor per name (safetensors)
                     continue
                 flat = [state[key][slot.offset : slot.offset + slot.numel] for slot, state in parts]
                 tensors[label] = torch.cat(flat).view(param.shape)
