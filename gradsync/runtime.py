@@ -31,7 +31,7 @@ from gradsync.optim import Updater, effective_lr
 from gradsync.progress import StepProgress
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
-from gradsync.trace import merge_rank_files, open_timeline
+from gradsync.trace import NullTimeline, merge_rank_files, open_timeline
 from gradsync.trainer import train
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -71,10 +71,11 @@ def _train_and_record(
     config: TrainConfig, env: RankEnv, device: torch.device, threads: int
 ) -> None:
     out = Path(config.out)
-    timeline = open_timeline(out, path=config.timeline, window_text=config.timeline_steps,
-                             rank=env.rank, world_size=env.world_size, role="worker")
-    strategy = strategy_class(config.strategy)()
     num_workers = config.workers
+    role = "worker" if env.rank < num_workers else "server"
+    timeline = open_timeline(out, path=config.timeline, window_text=config.timeline_steps,
+                             rank=env.rank, world_size=env.world_size, role=role)
+    strategy = strategy_class(config.strategy)()
     # Server ranks (strategies that have them) come after the workers. new_group is
     # collective: every rank creates the worker group, even the servers.
     worker_group = (
@@ -83,8 +84,10 @@ def _train_and_record(
         else None
     )
     if env.rank >= num_workers:  # a dedicated server: no model, no data, no trainer
-        timeline.close()
-        _serve(config, env, strategy, device, worker_group)
+        try:
+            _serve(config, env, strategy, device, worker_group, timeline)
+        finally:
+            timeline.close()
         return
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
@@ -188,7 +191,12 @@ def _iterations_per_epoch(workload: Workload, global_batch: int) -> int | None:
 
 
 def _serve(
-    config: TrainConfig, env: RankEnv, strategy: Strategy, device: torch.device, worker_group: Any
+    config: TrainConfig,
+    env: RankEnv,
+    strategy: Strategy,
+    device: torch.device,
+    worker_group: Any,
+    timeline: NullTimeline,
 ) -> None:
     """A dedicated server rank: serve until every worker is done (it writes its own metrics)."""
     context = Context(
@@ -202,6 +210,7 @@ def _serve(
         # Unused: servers build their optimizer with the scaled lr worker 0 sends them.
         make_updater=lambda params: Updater(params, config.optim, lr=config.optim.base_lr()),
         role="server",
+        timeline=timeline,
     )
     strategy.serve(context)
     dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk

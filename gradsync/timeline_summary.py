@@ -1,6 +1,7 @@
 """``gradsync timeline summarize``: where each step's time went, from a Chrome trace.
 
-Per rank, each step (its ``STEP`` span) splits into
+Per rank, each step (its ``STEP`` span) splits into the parts below (the table shows
+means over steps, so the parts add up):
 
 * **compute** — the top-level FORWARD, BACKWARD and OPTIMIZER_STEP spans on the compute track;
 * **exposed communication** — COMM_WAIT and WAIT_FOR_PARAMS spans: the training thread
@@ -196,17 +197,23 @@ def summarize_trace(path: Path) -> TraceSummary:
         mine = [s for s in steps if s.rank == pid]
         comm_total = sum(s.comm_ms for s in mine)
         exposed = sum(s.exposed_comm_ms for s in mine)
+        if not mine:  # a server: no steps of its own; its busy time per step it served
+            served = [s for (p, tid), track in spans.items() if p == pid for s in track
+                      if s.name in COMM_PHASES]
+            count = len({s.args.get("step") for s in served}) or 1
+            comm_total = _union_ms([(s.begin, s.end) for s in served]) / count
         ranks.append(
             RankSummary(
                 rank=pid,
                 role=process_names.get(pid, f"rank {pid}"),
                 steps=len(mine),
-                step_ms=_median(s.step_ms for s in mine),
-                compute_ms=_median(s.compute_ms for s in mine),
-                exposed_comm_ms=_median(s.exposed_comm_ms for s in mine),
-                idle_ms=_median(s.idle_ms for s in mine),
-                comm_ms=_median(s.comm_ms for s in mine),
-                overlap_ratio=(1 - exposed / comm_total) if comm_total > 0 else None,
+                step_ms=_mean(s.step_ms for s in mine),
+                compute_ms=_mean(s.compute_ms for s in mine),
+                exposed_comm_ms=_mean(s.exposed_comm_ms for s in mine),
+                idle_ms=_mean(s.idle_ms for s in mine),
+                comm_ms=_mean(s.comm_ms for s in mine) if mine else comm_total,
+                # Exposed time can slightly exceed the transfers (waiting includes Python).
+                overlap_ratio=max(0.0, 1 - exposed / comm_total) if mine and comm_total else None,
             )
         )
     top = sorted(tensor_ms.items(), key=lambda item: -item[1])[:TOP_TENSORS]
@@ -223,9 +230,9 @@ def summarize_trace(path: Path) -> TraceSummary:
     )
 
 
-def _median(values: Any) -> float:
+def _mean(values: Any) -> float:
     values = list(values)
-    return statistics.median(values) if values else 0.0
+    return statistics.fmean(values) if values else 0.0
 
 
 def print_summary(summary: TraceSummary) -> None:
@@ -245,7 +252,7 @@ def print_summary(summary: TraceSummary) -> None:
         for r in summary.ranks
     ]
     print_table(
-        f"{summary.strategy}: median step breakdown (ms) — {summary.path}",
+        f"{summary.strategy}: mean step breakdown (ms) — {summary.path}",
         [
             "rank",
             "role",

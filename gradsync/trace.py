@@ -99,13 +99,14 @@ class NullTimeline:
     def start_step(self, step: int) -> None:
         pass
 
-    def span(self, track: str, name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
+    def span(self, track: str, name: str, *, step: int | None = None,
+             **args: Any) -> contextlib.AbstractContextManager[None]:
         return self._nothing
 
-    def begin(self, track: str, name: str, **args: Any) -> None:
+    def begin(self, track: str, name: str, *, step: int | None = None, **args: Any) -> None:
         pass
 
-    def end(self, track: str, name: str, **args: Any) -> None:
+    def end(self, track: str, name: str, *, step: int | None = None, **args: Any) -> None:
         pass
 
     def record_step(self, step: int, started: float, elapsed: float) -> None:
@@ -144,6 +145,7 @@ class Timeline(NullTimeline):
         self.step = -1
         self.active = False
         self._tracks: dict[str, int] = {COMPUTE: 0}
+        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._file: IO[str] = open(directory / f"rank{rank}.jsonl", "w")  # noqa: SIM115
         self._writer = threading.Thread(target=self._drain, name="timeline-writer", daemon=True)
@@ -177,24 +179,33 @@ class Timeline(NullTimeline):
     def now_us(self) -> float:
         return time.perf_counter() * 1e6 + self.offset_us
 
-    def begin(self, track: str, name: str, **args: Any) -> None:
-        if self.active:
-            self._event("B", track, name, self.now_us(), args)
+    def _recording(self, step: int | None) -> bool:
+        # An explicit step (a server thread answering step s) is judged by the window alone,
+        # so threads other than the training thread never touch ``self.step``.
+        if step is None:
+            return self.active
+        return self.window[0] <= step < self.window[1]
 
-    def end(self, track: str, name: str, **args: Any) -> None:
-        if self.active:
+    def begin(self, track: str, name: str, *, step: int | None = None, **args: Any) -> None:
+        if self._recording(step):
+            self._event("B", track, name, self.now_us(), args, step=step)
+
+    def end(self, track: str, name: str, *, step: int | None = None, **args: Any) -> None:
+        if self._recording(step):
             self._event("E", track, name, self.now_us(), args)
 
     @contextlib.contextmanager
-    def _span(self, track: str, name: str, args: dict[str, Any]) -> Iterator[None]:
-        self._event("B", track, name, self.now_us(), args)
+    def _span(self, track: str, name: str, args: dict[str, Any],
+              step: int | None) -> Iterator[None]:
+        self._event("B", track, name, self.now_us(), args, step=step)
         try:
             yield
         finally:
             self._event("E", track, name, self.now_us(), {})
 
-    def span(self, track: str, name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
-        return self._span(track, name, args) if self.active else self._nothing
+    def span(self, track: str, name: str, *, step: int | None = None,
+             **args: Any) -> contextlib.AbstractContextManager[None]:
+        return self._span(track, name, args, step) if self._recording(step) else self._nothing
 
     def record_step(self, step: int, started: float, elapsed: float) -> None:
         """The STEP span, with exactly the timestamps the step time was measured with."""
@@ -222,14 +233,16 @@ class Timeline(NullTimeline):
         ts: float,
         args: dict[str, Any],
         step_span: bool = False,
+        step: int | None = None,
     ) -> None:
-        tid = self._tracks.get(track)
-        if tid is None:
-            tid = self._tracks.setdefault(track, len(self._tracks))
-            self._name_track(track, tid)
+        with self._lock:  # the training thread, comm callbacks and a server thread record
+            tid = self._tracks.get(track)
+            if tid is None:
+                tid = self._tracks.setdefault(track, len(self._tracks))
+                self._name_track(track, tid)
         event = {"ph": ph, "name": name, "pid": self.rank, "tid": tid, "ts": ts}
         if ph == "B":
-            event["args"] = {"step": self.step, **args}
+            event["args"] = {"step": self.step if step is None else step, **args}
         if step_span:
             event["cat"] = "step"
         self._emit(event)

@@ -34,6 +34,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
+from gradsync.trace import NullTimeline, Phase
+
 HEADER = 3
 PUSH, STATE, DONE = 0, 1, 2
 TAG_PUSH, TAG_PULL, TAG_STATE = 101, 102, 103
@@ -177,8 +179,10 @@ class Client:
         timeout_s: float,
         local: tuple[Inbox, Outbox] | None = None,
         alive: Any = None,
+        timeline: NullTimeline | None = None,
     ) -> None:
         self.worker = worker
+        self.timeline = timeline or NullTimeline()
         self.servers = list(servers)
         self.group = group
         self.timeout_s = timeout_s
@@ -192,23 +196,32 @@ class Client:
 
         Returns the (sent, received) wire bytes.
         """
-        works, sent, received = [], 0, 0
-        for rank, pull in zip(self.servers, self.pull_buffers, strict=True):
+        pulls, pushes, sent, received = [], [], 0, 0
+        timeline = self.timeline
+        for index, (rank, pull) in enumerate(zip(self.servers, self.pull_buffers, strict=True)):
             if rank is not None:  # receive posted before the send: nothing waits unmatched
-                works.append(dist.irecv(pull, src=rank, group=self.group, tag=TAG_PULL))
+                timeline.begin(f"pull from server {index}", Phase.PULL,
+                               tensor=f"server{index}", bytes=wire_size(pull))
+                pulls.append((index, dist.irecv(pull, src=rank, group=self.group, tag=TAG_PULL)))
                 received += wire_size(pull)
-        for rank, push in zip(self.servers, self.push_buffers, strict=True):
+        for index, (rank, push) in enumerate(zip(self.servers, self.push_buffers, strict=True)):
             encode_push(push, PUSH, self.worker, step)
             if rank is None:
                 self._local_inbox().put_local(push.clone())
             else:
-                works.append(dist.isend(push, dst=rank, group=self.group, tag=TAG_PUSH))
+                timeline.begin(f"push to server {index}", Phase.PUSH,
+                               tensor=f"server{index}", bytes=wire_size(push))
+                pushes.append((index, dist.isend(push, dst=rank, group=self.group, tag=TAG_PUSH)))
                 sent += wire_size(push)
         for index, rank in enumerate(self.servers):
             if rank is None:
                 self.pull_buffers[index].copy_(self._local_reply(TAG_PULL))
-        for work in works:
+        for index, work in pushes:
             work.wait()
+            timeline.end(f"push to server {index}", Phase.PUSH)
+        for index, work in pulls:
+            work.wait()
+            timeline.end(f"pull from server {index}", Phase.PULL)
         return sent, received
 
     def request_state(self) -> list[dict[str, Tensor]]:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from gradsync.comm.pushpull import DONE, HEADER, PUSH, STATE, Inbox, Message, Outbox
 from gradsync.optim import Updater
+from gradsync.trace import NullTimeline, Phase
 
 
 class ShardState:
@@ -117,6 +118,9 @@ class RoundLog:
 class SyncRounds:
     """Aggregate every worker's push of a step, apply once, answer all."""
 
+    timeline: NullTimeline = NullTimeline()
+    track: str = "server"
+
     def __init__(self, state: ShardState, outbox: Outbox, log: RoundLog) -> None:
         self.state, self.outbox, self.log = state, outbox, log
         self.pending: dict[int, Tensor] = {}
@@ -128,12 +132,17 @@ class SyncRounds:
         if len(self.pending) < self.log.num_workers:
             return
         started = time.perf_counter()
-        # Fixed worker order: the sum is the same on every run (bit-identical reruns).
-        total = self.pending[0].clone()
-        for worker in range(1, self.log.num_workers):
-            total += self.pending[worker]
-        total /= self.log.num_workers
-        self.state.apply(total, message.step)
+        step, nbytes = message.step, message.payload.numel() * message.payload.element_size()
+        with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, step=step,
+                                tensor=self.track, bytes=nbytes * self.log.num_workers):
+            # Fixed worker order: the sum is the same on every run (bit-identical reruns).
+            total = self.pending[0].clone()
+            for worker in range(1, self.log.num_workers):
+                total += self.pending[worker]
+            total /= self.log.num_workers
+        with self.timeline.span(self.track, Phase.SERVER_APPLY, step=step, tensor=self.track,
+                                bytes=nbytes):
+            self.state.apply(total, message.step)
         reply = self.state.snapshot(message.step)
         tally = self.log.tally(message.step)
         for worker in range(self.log.num_workers):
@@ -146,6 +155,9 @@ class SyncRounds:
 class BoundedStaleness:
     """Apply each push on arrival; hold an answer back only to keep the staleness bound."""
 
+    timeline: NullTimeline = NullTimeline()
+    track: str = "server"
+
     def __init__(
         self, state: ShardState, outbox: Outbox, log: RoundLog, staleness: int | None
     ) -> None:
@@ -156,7 +168,9 @@ class BoundedStaleness:
 
     def on_push(self, message: Message) -> None:
         started = time.perf_counter()
-        self.state.apply(message.payload / self.log.num_workers, message.step)
+        with self.timeline.span(self.track, Phase.SERVER_APPLY, step=message.step,
+                                tensor=self.track, worker=message.worker):
+            self.state.apply(message.payload / self.log.num_workers, message.step)
         self.clocks[message.worker] = message.step + 1
         self.waiting.append((message.worker, message.step))
         self.log.tally(message.step).busy_s += time.perf_counter() - started
@@ -185,14 +199,20 @@ def serve(
     synchronous: bool,
     staleness: int | None = None,
     on_round: Callable[[ServerRound], None] = lambda _: None,
+    timeline: NullTimeline | None = None,
+    track: str = "server",
 ) -> None:
-    """Answer pushes and state requests until all ``num_workers`` workers are done."""
+    """Answer pushes and state requests until all ``num_workers`` workers are done.
+
+    ``timeline`` records SERVER_AGGREGATE and SERVER_APPLY on ``track``.
+    """
     log = RoundLog(num_workers, on_round)
     rule = (
         SyncRounds(state, outbox, log)
         if synchronous
         else BoundedStaleness(state, outbox, log, staleness)
     )
+    rule.timeline, rule.track = timeline or NullTimeline(), track
     done: set[int] = set()
     while len(done) < num_workers:
         message = inbox.get()

@@ -39,6 +39,7 @@ from gradsync.errors import UserError
 from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context, Strategy
+from gradsync.trace import COMPUTE, Phase
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ class ParameterServer(Strategy):
                 synchronous=self.is_synchronous(context.config),
                 staleness=context.config.ps.staleness,
                 on_round=on_round,
+                timeline=context.timeline,
+                track=f"server {server}",
             )
         finally:
             writer.close()
@@ -224,6 +227,7 @@ class ParameterServer(Strategy):
             timeout_s=context.config.launch.timeout_s,
             local=local,
             alive=lambda: self._server_thread is not None and self._server_thread.is_alive(),
+            timeline=context.timeline,
         )
         self._step = 0
         self._lr = 0.0
@@ -251,7 +255,8 @@ class ParameterServer(Strategy):
                     grads[slot.name][slot.start : slot.stop]
                 )
         # Sync point: every server has answered with the values for the next forward.
-        sent, received = self.client.push_pull(self._step)
+        with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="push/pull"):
+            sent, received = self.client.push_pull(self._step)
         with torch.no_grad():
             for server, slots in enumerate(self.slots):
                 values = self.client.pull_buffers[server][HEADER:]
