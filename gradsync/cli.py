@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -123,6 +124,29 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
         default=4.0,
         help="variables larger than this are split across servers",
     )
+    hybrid = parser.add_argument_group(
+        "hybrid (--strategy hybrid; --servers and --colocate place its sparse servers)"
+    )
+    hybrid.add_argument(
+        "--partitions", type=_positive_int, metavar="P",
+        help="row partitions per sparse variable (default: chosen by a cost model)",
+    )
+    hybrid.add_argument(
+        "--average-sparse", action=argparse.BooleanOptionalAction, default=True,
+        help="average the workers' sparse gradients (--no-average-sparse: sum them)",
+    )
+    hybrid.add_argument(
+        "--no-local-aggregation", dest="local_aggregation", action="store_false",
+        help="push every worker's sparse gradients (default: summed per node first)",
+    )
+    hybrid.add_argument(
+        "--sparse-pattern", action="append", default=[], metavar="GLOB",
+        help="treat matching variables as sparse (glob, or re:REGEX; repeatable)",
+    )
+    hybrid.add_argument(
+        "--dense-pattern", action="append", default=[], metavar="GLOB",
+        help="treat matching variables as dense (allreduce); wins over --sparse-pattern",
+    )
     run = parser.add_argument_group("launch and measurement")
     run.add_argument(
         "--threads",
@@ -215,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--strategies",
         help="comma-separated (default: every registered one); options after colons, "
-        "e.g. ps,ps:servers=2,ps:colocate,ps:async,ps:staleness=2",
+        "e.g. ps,ps:servers=2,ps:colocate,ps:async,ps:staleness=2,hybrid:partitions=4",
     )
     verify.add_argument("--workers", type=_int_list, default=[2], help="e.g. 2,4")
     _add_model_options(verify, default_steps=20)
@@ -252,7 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, **overrides: object):
-    from gradsync.config import AllreduceConfig, LaunchConfig, OptimConfig, PSConfig, TrainConfig
+    from gradsync.config import (
+        AllreduceConfig,
+        HybridConfig,
+        LaunchConfig,
+        OptimConfig,
+        PSConfig,
+        TrainConfig,
+    )
 
     launch = LaunchConfig(
         num_nodes=getattr(args, "nnodes", 1),
@@ -300,6 +331,20 @@ def _config(args: argparse.Namespace, **overrides: object):
         ),
     )
     fields.update(overrides)
+    # --servers/--colocate place the hybrid's servers too; verify cells keep their own.
+    fields["hybrid"] = HybridConfig(
+        servers=args.servers,
+        colocate=args.colocate,
+        partitions=getattr(args, "partitions", None),
+        average_sparse=getattr(args, "average_sparse", True),
+        local_aggregation=getattr(args, "local_aggregation", True),
+        sparse_patterns=tuple(getattr(args, "sparse_pattern", [])),
+        dense_patterns=tuple(getattr(args, "dense_pattern", [])),
+    )
+    if fields.get("strategy") == "hybrid":
+        fields["ps"] = dataclasses.replace(fields["ps"], servers=None, colocate=False)
+    elif "strategy" in fields:
+        fields["hybrid"] = dataclasses.replace(fields["hybrid"], servers=None, colocate=False)
     return TrainConfig(**fields)  # type: ignore[arg-type]
 
 

@@ -102,6 +102,58 @@ class PSConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """Parallax's hybrid (strategy ``hybrid``): sparse variables through parameter servers.
+
+    ``servers`` dedicated server ranks (None: 1, or one per worker with ``colocate``);
+    ``partitions`` row partitions per sparse variable (None: chosen by the cost model in
+    :mod:`gradsync.comm.sparse`); ``average_sparse`` averages the workers' sparse gradients
+    (off: sums them, as Parallax's switch does); ``local_aggregation`` sums sparse gradients
+    inside a node before pushing. ``sparse_patterns`` / ``dense_patterns`` override the
+    automatic classification by variable name (glob, or ``re:REGEX``).
+    """
+
+    servers: int | None = None
+    colocate: bool = False
+    partitions: int | None = None
+    average_sparse: bool = True
+    local_aggregation: bool = True
+    sparse_patterns: tuple[str, ...] = ()
+    dense_patterns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists; keep tuples (frozen, comparable)
+        object.__setattr__(self, "sparse_patterns", tuple(self.sparse_patterns))
+        object.__setattr__(self, "dense_patterns", tuple(self.dense_patterns))
+
+    def num_servers(self, workers: int) -> int:
+        """Sparse server shards in the job: one per worker when colocated."""
+        return workers if self.colocate else (1 if self.servers is None else self.servers)
+
+    def check(self, workers: int) -> None:
+        """UserError on an impossible hybrid topology."""
+        if self.colocate and self.servers is not None:
+            raise UserError(
+                f"--servers {self.servers} with --colocate: colocated servers run inside the "
+                f"workers (--workers {workers}), not on extra ranks; drop --servers or --colocate"
+            )
+        if self.servers is not None and self.servers < 1:
+            raise UserError(
+                f"--servers {self.servers} leaves no server for the sparse variables; use "
+                "--servers 1 or more, or --colocate"
+            )
+        if self.partitions is not None and self.partitions < 1:
+            raise UserError(f"--partitions must be a positive integer, got {self.partitions}")
+        for pattern in (*self.sparse_patterns, *self.dense_patterns):
+            if pattern.startswith("re:"):
+                import re
+
+                try:
+                    re.compile(pattern[3:])
+                except re.error as error:
+                    raise UserError(f"bad regular expression {pattern!r}: {error}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """Where the ranks run: local processes, or one node of a multi-node job.
 
@@ -174,6 +226,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
@@ -221,6 +274,8 @@ class TrainConfig:
             )
         if self.strategy == "ps":
             self.ps.check(self.workers)
+        if self.strategy == "hybrid":
+            self.hybrid.check(self.workers)
         launch = self.launch
         _check_positive("--nnodes", launch.num_nodes)
         if not 0 <= launch.node_rank < launch.num_nodes:
@@ -258,10 +313,15 @@ class TrainConfig:
     def from_json(cls, text: str) -> TrainConfig:
         raw = json.loads(text)
         return cls(
-            **{k: v for k, v in raw.items() if k not in ("optim", "allreduce", "ps", "launch")},
+            **{
+                k: v
+                for k, v in raw.items()
+                if k not in ("optim", "allreduce", "ps", "hybrid", "launch")
+            },
             optim=OptimConfig(**raw["optim"]),
             allreduce=AllreduceConfig(**raw["allreduce"]),
             ps=PSConfig(**raw.get("ps", {})),
+            hybrid=HybridConfig(**raw.get("hybrid", {})),
             launch=LaunchConfig(**raw["launch"]),
         )
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from gradsync.checkpoint import Checkpoint, atomic_write_text, load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
-from gradsync.config import PSConfig, TrainConfig
+from gradsync.config import HybridConfig, PSConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
@@ -164,6 +164,8 @@ def cell_config(base: TrainConfig, spec: str, workers: int, out: Path) -> TrainC
     changes: dict[str, Any] = {}
     if name != "ps":
         changes["ps"] = PSConfig()  # ps flags given to verify apply to the ps cells only
+    if name != "hybrid":
+        changes["hybrid"] = HybridConfig()  # so do the hybrid's (--servers, --partitions …)
     section = getattr(base, name, None)
     if options:
         if not dataclasses.is_dataclass(section):

@@ -2,21 +2,23 @@
 
 Example:
     >>> sorted(STRATEGIES)
-    ['allreduce', 'ddp', 'ps', 'single']
+    ['allreduce', 'ddp', 'hybrid', 'ps', 'single']
 """
 
 from __future__ import annotations
 
-from gradsync.config import PSConfig, TrainConfig
+from gradsync.config import HybridConfig, PSConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.strategies.allreduce import HorovodAllreduce
 from gradsync.strategies.base import Context, Strategy
 from gradsync.strategies.ddp import NativeDDP
+from gradsync.strategies.hybrid import Hybrid
 from gradsync.strategies.ps import ParameterServer
 from gradsync.strategies.single import SingleProcess
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (SingleProcess, NativeDDP, HorovodAllreduce, ParameterServer)
+    cls.name: cls
+    for cls in (SingleProcess, NativeDDP, HorovodAllreduce, ParameterServer, Hybrid)
 }
 
 
@@ -47,6 +49,12 @@ def check_strategy(config: TrainConfig) -> None:
         raise UserError(
             f"--servers/--colocate/--async/--staleness/--placement apply to --strategy ps, "
             f"not '{config.strategy}'; drop them or use --strategy ps"
+        )
+    if config.strategy != "hybrid" and config.hybrid != HybridConfig():
+        raise UserError(
+            f"--partitions/--no-average-sparse/--no-local-aggregation/--sparse-pattern/"
+            f"--dense-pattern apply to --strategy hybrid, not '{config.strategy}'; drop them "
+            "or use --strategy hybrid"
         )
     cls.check_config(config)
 
