@@ -147,6 +147,19 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
         "--dense-pattern", action="append", default=[], metavar="GLOB",
         help="treat matching variables as dense (allreduce); wins over --sparse-pattern",
     )
+    p3 = parser.add_argument_group("P3 (--strategy p3; --servers sets its servers)")
+    p3.add_argument(
+        "--slice-size", type=_positive_int, default=40_000, metavar="N",
+        help="values per parameter slice (default 40000, MXNet P3's)",
+    )
+    p3.add_argument(
+        "--no-priority", dest="priority", action="store_false",
+        help="send slices in arrival order (FIFO) instead of layer order",
+    )
+    p3.add_argument(
+        "--no-slicing", dest="slicing", action="store_false",
+        help="send whole variables instead of slices",
+    )
     run = parser.add_argument_group("launch and measurement")
     run.add_argument(
         "--threads",
@@ -281,6 +294,7 @@ def _config(args: argparse.Namespace, **overrides: object):
         HybridConfig,
         LaunchConfig,
         OptimConfig,
+        P3Config,
         PSConfig,
         TrainConfig,
     )
@@ -345,6 +359,17 @@ def _config(args: argparse.Namespace, **overrides: object):
         fields["ps"] = dataclasses.replace(fields["ps"], servers=None, colocate=False)
     elif "strategy" in fields:
         fields["hybrid"] = dataclasses.replace(fields["hybrid"], servers=None, colocate=False)
+    # --servers places p3's servers too (and then not the ps's); verify cells keep their own.
+    fields["p3"] = P3Config(
+        servers=args.servers,
+        slice_size=getattr(args, "slice_size", 40_000),
+        priority=getattr(args, "priority", True),
+        slicing=getattr(args, "slicing", True),
+    )
+    if fields.get("strategy") == "p3":
+        fields["ps"] = dataclasses.replace(fields["ps"], servers=None)
+    elif "strategy" in fields:
+        fields["p3"] = dataclasses.replace(fields["p3"], servers=None)
     return TrainConfig(**fields)  # type: ignore[arg-type]
 
 

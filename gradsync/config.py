@@ -153,6 +153,40 @@ class HybridConfig:
                     raise UserError(f"bad regular expression {pattern!r}: {error}") from None
 
 
+DEFAULT_SLICE_SIZE = 40_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class P3Config:
+    """Priority-based Parameter Propagation (strategy ``p3``, Jayarajan et al. SysML'19).
+
+    ``servers`` dedicated server ranks (None: 1). Every variable is cut into slices of at
+    most ``slice_size`` values (MXNet P3's default 40,000), spread round-robin over the
+    servers; ``slicing=False`` sends whole variables. ``priority=False`` sends in arrival
+    order (FIFO) instead of layer order, input side first.
+    """
+
+    servers: int | None = None
+    slice_size: int = DEFAULT_SLICE_SIZE
+    priority: bool = True
+    slicing: bool = True
+
+    def num_servers(self) -> int:
+        return 1 if self.servers is None else self.servers
+
+    def check(self) -> None:
+        """UserError on an impossible P3 configuration."""
+        if self.servers is not None and self.servers < 1:
+            raise UserError(
+                f"--servers {self.servers} leaves no parameter server; use --servers 1 or more"
+            )
+        if self.slice_size < 1:
+            raise UserError(
+                f"--slice-size must be a positive number of values, got {self.slice_size} "
+                f"(default {DEFAULT_SLICE_SIZE})"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """Where the ranks run: local processes, or one node of a multi-node job.
@@ -226,6 +260,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    p3: P3Config = field(default_factory=P3Config)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -274,6 +309,8 @@ class TrainConfig:
             )
         if self.strategy == "ps":
             self.ps.check(self.workers)
+        if self.strategy == "p3":
+            self.p3.check()
         if self.strategy == "hybrid":
             self.hybrid.check(self.workers)
         launch = self.launch
@@ -316,11 +353,12 @@ class TrainConfig:
             **{
                 k: v
                 for k, v in raw.items()
-                if k not in ("optim", "allreduce", "ps", "hybrid", "launch")
+                if k not in ("optim", "allreduce", "ps", "p3", "hybrid", "launch")
             },
             optim=OptimConfig(**raw["optim"]),
             allreduce=AllreduceConfig(**raw["allreduce"]),
             ps=PSConfig(**raw.get("ps", {})),
+            p3=P3Config(**raw.get("p3", {})),
             hybrid=HybridConfig(**raw.get("hybrid", {})),
             launch=LaunchConfig(**raw["launch"]),
         )

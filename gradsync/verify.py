@@ -30,7 +30,7 @@ from typing import Any
 
 from gradsync.checkpoint import Checkpoint, atomic_write_text, load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
-from gradsync.config import HybridConfig, PSConfig, TrainConfig
+from gradsync.config import HybridConfig, P3Config, PSConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
@@ -166,6 +166,8 @@ def cell_config(base: TrainConfig, spec: str, workers: int, out: Path) -> TrainC
         changes["ps"] = PSConfig()  # ps flags given to verify apply to the ps cells only
     if name != "hybrid":
         changes["hybrid"] = HybridConfig()  # so do the hybrid's (--servers, --partitions …)
+    if name != "p3":
+        changes["p3"] = P3Config()  # and p3's (--servers, --slice-size …)
     section = getattr(base, name, None)
     if options:
         if not dataclasses.is_dataclass(section):

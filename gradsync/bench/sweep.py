@@ -28,7 +28,7 @@ from rich.progress import (
 )
 
 from gradsync.bench.experiment import Cell, Experiment
-from gradsync.config import LaunchConfig, OptimConfig, PSConfig, TrainConfig
+from gradsync.config import LaunchConfig, OptimConfig, P3Config, PSConfig, TrainConfig
 from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
@@ -64,7 +64,10 @@ def cell_config(experiment: Experiment, cell: Cell, out: Path, *,
         optim=OptimConfig(name=experiment.optimizer, lr=experiment.lr,  # type: ignore[arg-type]
                           warmup_steps=experiment.lr_warmup_steps,
                           lr_scaling=cell.lr_scaling),  # type: ignore[arg-type]
-        ps=PSConfig(servers=cell.servers) if cell.servers is not None else PSConfig(),
+        ps=PSConfig(servers=cell.servers)
+        if cell.servers is not None and cell.strategy != "p3"
+        else PSConfig(),
+        p3=P3Config(servers=cell.servers) if cell.strategy == "p3" else P3Config(),
         launch=launch,
     )
 

@@ -2,23 +2,25 @@
 
 Example:
     >>> sorted(STRATEGIES)
-    ['allreduce', 'ddp', 'hybrid', 'ps', 'single']
+    ['allreduce', 'ddp', 'hybrid', 'p3', 'ps', 'single']
 """
 
 from __future__ import annotations
 
-from gradsync.config import HybridConfig, PSConfig, TrainConfig
+from gradsync.config import HybridConfig, P3Config, PSConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.strategies.allreduce import HorovodAllreduce
 from gradsync.strategies.base import Context, Strategy
 from gradsync.strategies.ddp import NativeDDP
 from gradsync.strategies.hybrid import Hybrid
+from gradsync.strategies.p3 import PriorityPropagation
 from gradsync.strategies.ps import ParameterServer
 from gradsync.strategies.single import SingleProcess
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (SingleProcess, NativeDDP, HorovodAllreduce, ParameterServer, Hybrid)
+    for cls in (SingleProcess, NativeDDP, HorovodAllreduce, ParameterServer, Hybrid,
+                PriorityPropagation)
 }
 
 
@@ -55,6 +57,11 @@ def check_strategy(config: TrainConfig) -> None:
             f"--partitions/--no-average-sparse/--no-local-aggregation/--sparse-pattern/"
             f"--dense-pattern apply to --strategy hybrid, not '{config.strategy}'; drop them "
             "or use --strategy hybrid"
+        )
+    if config.strategy != "p3" and config.p3 != P3Config():
+        raise UserError(
+            f"--slice-size/--no-priority/--no-slicing apply to --strategy p3, not "
+            f"'{config.strategy}'; drop them or use --strategy p3"
         )
     cls.check_config(config)
 

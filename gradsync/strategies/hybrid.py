@@ -1,0 +1,572 @@
+"""``hybrid``: Parallax (Kim et al., EuroSys'19): sparse variables through partitioned
+parameter servers, dense variables through allreduce.
+
+- Classification: a variable is *sparse* when its gradient arrives as a sparse tensor; in
+  PyTorch that is the weight of an ``nn.Embedding``/``nn.EmbeddingBag`` with
+  ``sparse=True`` (``lstm-lm``'s embedding and sampled-softmax weight and bias). It is read
+  from the module types, so it is known before the first backward (the dense hooks need it)
+  and identical on every rank; worker 0's classification is broadcast and checked.
+  ``--sparse-pattern``/``--dense-pattern`` (glob, or ``re:REGEX``) override it by name.
+- Dense path: :class:`~gradsync.comm.fusion.FusedAllreduce` over the dense variables, then
+  each worker's own optimizer (Horovod's path, as ``allreduce``).
+- Sparse path (:mod:`gradsync.comm.sparse`): row partitions on servers (dedicated ranks, or
+  colocated in the workers); workers sum their coalesced rows per node (local aggregation),
+  the node's first worker pushes them; servers average (``--no-average-sparse``: sum), apply
+  SGD to those rows, and answer pulls: each lookup pulls, just before it runs, exactly the
+  rows it reads.
+- The partition count P is chosen at the first step from the rows worker 0's first batch
+  touched (:func:`~gradsync.comm.sparse.choose_num_partitions`), unless ``--partitions``.
+
+Sparse optimizer rule: torch's ``SGD`` on a sparse gradient (what ``single`` runs) keeps a
+sparse momentum buffer over every row ever touched and moves all of them each step; the
+servers do exactly that, so ``hybrid`` matches ``single``. Adam refuses sparse gradients in
+torch, and weight decay densifies them, so both are refused for sparse variables.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradsync.checkpoint import OPTIM, PARAM, model_state
+from gradsync.comm.counters import CommStats
+from gradsync.comm.fusion import FusedAllreduce
+from gradsync.comm.groups import node_local_group
+from gradsync.comm.pushpull import Outbox
+from gradsync.comm.sparse import (
+    RowPartition,
+    SparseClient,
+    SparseInbox,
+    SparseServer,
+    SparseShard,
+    SparseVariable,
+    choose_num_partitions,
+    coalesce_rows,
+    partition_rows,
+    split_rows,
+    sum_rows,
+)
+from gradsync.config import HybridConfig, TrainConfig
+from gradsync.errors import UserError
+from gradsync.metrics import MetricsWriter, ServerRecord
+from gradsync.strategies.base import Context, Strategy, broadcast_parameters
+from gradsync.trace import COMPUTE, Phase
+
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+# -- classification (pure) ------------------------------------------------------------------
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def classify(model: nn.Module, options: HybridConfig) -> dict[str, str]:
+    """Variable name → "sparse" or "dense", in model order (trainable variables only).
+
+    Example:
+        >>> model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        >>> classify(model, HybridConfig())
+        {'0.weight': 'sparse', '1.weight': 'dense', '1.bias': 'dense'}
+        >>> classify(model, HybridConfig(dense_patterns=("0.*",)))["0.weight"]
+        'dense'
+    """
+    lookups = _embedding_weights(model)
+    result = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        sparse = name in lookups and lookups[name].sparse
+        if any(_matches(name, p) for p in options.sparse_patterns):
+            if name not in lookups:
+                raise UserError(
+                    f"--sparse-pattern matched '{name}', which is not the weight of an "
+                    "nn.Embedding/EmbeddingBag: hybrid pulls the rows a lookup reads, so only "
+                    "lookup tables can take the sparse path; narrow the pattern"
+                )
+            sparse = True
+        if any(_matches(name, p) for p in options.dense_patterns):
+            sparse = False
+        result[name] = "sparse" if sparse else "dense"
+    return result
+
+
+def _embedding_weights(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        (f"{prefix}.weight" if prefix else "weight"): module
+        for prefix, module in model.named_modules()
+        if isinstance(module, EMBEDDINGS)
+    }
+
+
+def describe_classification(model: nn.Module, kinds: dict[str, str]) -> str:
+    params = dict(model.named_parameters())
+    lines = []
+    for name, kind in kinds.items():
+        shape = "×".join(map(str, params[name].shape))
+        path = "servers (rows pushed/pulled)" if kind == "sparse" else "allreduce"
+        lines.append(f"  {name} [{shape}]: {kind} → {path}")
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=8)
+def _classify_config(text: str) -> tuple[tuple[str, str], ...]:
+    config = TrainConfig.from_json(text)
+    from gradsync.models import build_workload
+
+    workload = build_workload(
+        config.model,
+        preset=config.preset,
+        seed=config.seed,
+        data=config.data,
+        dropout=False,
+        options=config.model_options,
+    )
+    return tuple(classify(workload.model, config.hybrid).items())
+
+
+def _has_sparse(config: TrainConfig) -> bool:
+    return any(kind == "sparse" for _, kind in _classify_config(config.to_json()))
+
+
+# -- the strategy ---------------------------------------------------------------------------
+
+
+class Hybrid(Strategy):
+    """Sparse variables via row-partitioned servers, dense ones via fused allreduce."""
+
+    name = "hybrid"
+    summary = "Parallax: sparse variables via partitioned servers, dense via allreduce"
+
+    @classmethod
+    def num_server_ranks(cls, config: TrainConfig) -> int:
+        if config.hybrid.colocate or not _has_sparse(config):
+            return 0
+        return config.hybrid.num_servers(config.workers)
+
+    @classmethod
+    def check_config(cls, config: TrainConfig) -> None:
+        kinds = dict(_classify_config(config.to_json()))
+        sparse = [n for n, k in kinds.items() if k == "sparse"]
+        if not sparse:
+            return
+        optim = config.optim
+        if optim.name != "sgd":
+            raise UserError(
+                f"hybrid applies SGD to sparse rows; torch's Adam refuses sparse gradients "
+                f"(so single cannot run {', '.join(sparse)} either); use --optimizer sgd, or "
+                "--dense-pattern to allreduce them"
+            )
+        if optim.weight_decay:
+            raise UserError(
+                f"--weight-decay {optim.weight_decay} makes torch's SGD densify sparse "
+                f"gradients (every row decays every step), which defeats the sparse path of "
+                f"{', '.join(sparse)}; use --weight-decay 0 or --dense-pattern"
+            )
+        servers = config.hybrid.num_servers(config.workers)
+        partitions = config.hybrid.partitions
+        if partitions is not None and partitions * len(sparse) < servers:
+            raise UserError(
+                f"--partitions {partitions} × {len(sparse)} sparse variables leaves some of "
+                f"the {servers} servers without rows; use --partitions "
+                f"{-(-servers // len(sparse))} or more"
+            )
+
+    def expected_difference(self, config: TrainConfig) -> str | None:
+        if not config.hybrid.average_sparse and config.workers > 1:
+            return "--no-average-sparse sums the workers' sparse gradients instead of averaging"
+        return None
+
+    # -- both roles ------------------------------------------------------------------------
+
+    def _join(self, context: Context, is_worker: bool) -> None:
+        """Collective on every rank, in this order: transport group, node groups."""
+        self.context = context
+        config = context.config
+        self.options = config.hybrid
+        self.num_servers = self.options.num_servers(context.num_workers)
+        self.server_ranks = [
+            s if self.options.colocate else context.num_workers + s for s in range(self.num_servers)
+        ]
+        self.group = dist.new_group(list(range(context.world_size)))
+        from gradsync.topology import detect_environment
+
+        env = detect_environment()
+        node = env.node_rank if env is not None else 0
+        # Who is on which node; servers get a node of their own (no local aggregation).
+        nodes: list[Any] = [None] * context.world_size
+        dist.all_gather_object(nodes, node if is_worker else None)
+        workers_by_node: dict[int, list[int]] = {}
+        for rank, n in enumerate(nodes):
+            if n is not None:
+                workers_by_node.setdefault(n, []).append(rank)
+        if self.options.local_aggregation:
+            self.node = node_local_group(node if is_worker else -1 - context.rank)
+            self.pushers = sorted(ranks[0] for ranks in workers_by_node.values())
+        else:
+            self.node = None
+            self.pushers = list(range(context.num_workers))
+
+    def _receive_spec(self, spec: dict[str, Any] | None) -> dict[str, Any]:
+        """Worker 0's classification, geometry, partition count and initial rows, everywhere."""
+        box = [spec]
+        dist.broadcast_object_list(box, src=0)
+        spec = box[0]
+        assert spec is not None
+        self.variables = [SparseVariable(*v) for v in spec["variables"]]
+        self.partitions = partition_rows(
+            self.variables, spec["num_partitions"], num_servers=self.num_servers
+        )
+        self.on_server = [
+            [p for p in self.partitions if p.server == s] for s in range(self.num_servers)
+        ]
+        return spec
+
+    def _make_server(
+        self, server: int, spec: dict[str, Any], local_worker: int | None
+    ) -> SparseServer:
+        context = self.context
+        workers = context.num_workers
+        remote = {w: w for w in range(workers) if w != local_worker}
+        inbox = SparseInbox(
+            self.on_server[server],
+            remote=remote,
+            group=self.group,
+            timeout_s=context.config.launch.timeout_s,
+        )
+        outbox = Outbox(remote=remote, local_worker=local_worker, group=self.group)
+        shard = SparseShard(
+            self.on_server[server], spec["initial"], momentum=context.config.optim.momentum
+        )
+        writer = MetricsWriter(Path(context.config.out), context.rank, prefix="server")
+        last = [time.perf_counter()]
+
+        def on_round(step: int, tally: Any) -> None:
+            now = time.perf_counter()
+            writer.write(
+                ServerRecord(
+                    step=step,
+                    rank=context.rank,
+                    server=server,
+                    bytes_recv=tally.bytes_recv,
+                    bytes_sent=tally.bytes_sent,
+                    busy_s=tally.busy_s,
+                    step_time_s=now - last[0],
+                )
+            )
+            last[0] = now
+
+        self._writer = writer
+        return SparseServer(
+            shard=shard,
+            inbox=inbox,
+            outbox=outbox,
+            pushers=self.pushers,
+            num_workers=workers,
+            scale=1.0 / workers if self.options.average_sparse else 1.0,
+            timeline=context.timeline,
+            track=f"sparse-server{server}",
+            on_round=on_round,
+        )
+
+    # -- dedicated server rank -----------------------------------------------------------
+
+    def serve(self, context: Context) -> None:
+        self._join(context, is_worker=False)
+        spec = self._receive_spec(None)
+        server = self.server_ranks.index(context.rank)
+        try:
+            self._make_server(server, spec, local_worker=None).run()
+        finally:
+            self._writer.close()
+
+    # -- worker ----------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module, context: Context) -> nn.Module:
+        self.context, self.model = context, model
+        config = context.config
+        broadcast_parameters(model, context.worker_group)
+        self.kinds = classify(model, config.hybrid)
+        self.params = dict(model.named_parameters())
+        self.sparse_names = [n for n, k in self.kinds.items() if k == "sparse"]
+        dense = [(n, self.params[n]) for n, k in self.kinds.items() if k == "dense"]
+        if context.rank == 0:
+            print(
+                f"[rank 0] hybrid classification:\n{describe_classification(model, self.kinds)}",
+                flush=True,
+            )
+            if not self.sparse_names:
+                print(
+                    "[rank 0] hybrid: no sparse variables, so it degenerates to allreduce "
+                    "(every gradient through fused allreduce, no servers)",
+                    flush=True,
+                )
+        self.sparse_counters = CommStats()
+        options = config.allreduce
+        self.fused = FusedAllreduce(
+            [p for _, p in dense],
+            names=[n for n, _ in dense],
+            timeline=context.timeline,
+            threshold_bytes=int(options.fusion_threshold_mb * 2**20),
+            group=context.worker_group,
+            world_size=context.num_workers,
+            stats=self.counters,
+            fp16=options.fp16_compression,
+        )
+        self.fused.attach()
+        # Sparse variables get no optimizer here: the servers own their update.
+        self._placeholder = nn.Parameter(torch.zeros(1))  # keeps the lr schedule without dense
+        self.updater = context.make_updater([p for _, p in dense] or [self._placeholder])
+        self._step = 0
+        self._connected = False
+        self._server_thread: threading.Thread | None = None
+        if not self.sparse_names:
+            return model
+        self._join(context, is_worker=True)
+        lookups = _embedding_weights(model)
+        for name in self.sparse_names:
+            lookups[name].register_forward_pre_hook(
+                lambda _module, args, name=name: self._pull_rows(name, args[0])
+            )
+        return model
+
+    def _connect(self, touched: dict[str, Tensor]) -> None:
+        """First step: choose P from the rows worker 0 touched, start the servers."""
+        context = self.context
+        spec = None
+        if context.rank == 0:
+            variables = [
+                SparseVariable(n, self.params[n].shape[0], self.params[n][0].numel())
+                for n in self.sparse_names
+            ]
+            choice = None
+            count = self.options.partitions
+            if count is None:
+                choice = choose_num_partitions(variables, touched, num_servers=self.num_servers)
+                count = choice.num_partitions
+            spec = {
+                "variables": [(v.name, v.num_rows, v.row_numel, v.element_size) for v in variables],
+                "num_partitions": count,
+                "kinds": self.kinds,
+                "initial": {n: self.params[n].detach().clone() for n in self.sparse_names},
+            }
+            where = "colocated on the workers" if self.options.colocate else "dedicated ranks"
+            how = "--partitions" if choice is None else f"cost model: {choice.describe()}"
+            print(
+                f"[rank 0] hybrid: {len(variables)} sparse variable(s) in {count} row "
+                f"partition(s) each ({how}) on {self.num_servers} server(s), {where}; "
+                f"pushers (local aggregation) {self.pushers}",
+                flush=True,
+            )
+        spec = self._receive_spec(spec)
+        if spec["kinds"] != self.kinds:
+            raise RuntimeError(
+                f"rank {context.rank} classified the variables differently "
+                f"from rank 0: {self.kinds} vs {spec['kinds']}"
+            )
+        local = None
+        if self.options.colocate:
+            server = self._make_server(context.rank, spec, local_worker=context.worker_index)
+            local = (server.inbox, server.outbox)
+            self._server_thread = threading.Thread(
+                target=self._serve_or_die, args=(server,), name="sparse-server", daemon=True
+            )
+            self._server_thread.start()
+        self.client = SparseClient(
+            worker=context.worker_index,
+            servers=[None if local and r == context.rank else r for r in self.server_ranks],
+            partitions=self.on_server,
+            group=self.group,
+            timeout_s=context.config.launch.timeout_s,
+            local=local,
+            alive=lambda: self._server_thread is not None and self._server_thread.is_alive(),
+        )
+        self._connected = True
+
+    def _serve_or_die(self, server: SparseServer) -> None:
+        try:
+            server.run()
+        except BaseException:
+            # A colocated server that fails must end the job now: its peers wait on it.
+            print("colocated sparse server failed:", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        finally:
+            self._writer.close()
+
+    def _pull_rows(self, name: str, lookup: Tensor) -> None:
+        """Forward pre-hook of a sparse lookup: fetch exactly the rows it is about to read."""
+        if not self._connected:  # step 0: every worker holds the broadcast initial values
+            return
+        started = time.perf_counter()
+        rows = torch.unique(lookup.reshape(-1))
+        wanted: list[list[Tensor]] = [[] for _ in range(self.num_servers)]
+        mine = [p for p in self.partitions if p.name == name]
+        pieces = dict(zip(mine, split_rows(rows, None, mine), strict=True))
+        for s, parts in enumerate(self.on_server):
+            for p in parts:
+                wanted[s].append(pieces[p][0] if p in pieces else rows[:0])
+        with (
+            self.context.timeline.span(COMPUTE, Phase.WAIT_FOR_PARAMS, tensor=name),
+            self.context.timeline.span(f"sparse-{name}", Phase.PULL, tensor=name),
+        ):
+            replies, sent, received = self.client.pull(self._step, wanted)
+        table = self.params[name].data.view(self.params[name].shape[0], -1)
+        for s, parts in enumerate(self.on_server):
+            offset = 0
+            for p, want in zip(parts, wanted[s], strict=True):
+                width = len(want) * p.row_numel
+                if p.name == name and len(want):
+                    table[want] = replies[s][offset : offset + width].view(len(want), -1)
+                offset += width
+        self._count(sent, received, time.perf_counter() - started)
+
+    def _count(self, sent: int, received: int, seconds: float) -> None:
+        for stats in (self.sparse_counters, self.counters):
+            stats.bytes_sent += sent
+            stats.bytes_recv += received
+            stats.exposed_comm_s += seconds
+
+    def _local_rows(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """This worker's coalesced (indices, rows) per sparse variable."""
+        rows = {}
+        for name in self.sparse_names:
+            param = self.params[name]
+            indices, values = coalesce_rows(param.grad, param.shape[0])
+            rows[name] = (indices, values.reshape(len(indices), -1).to(torch.float32))
+            param.grad = None
+        return rows
+
+    def _aggregate_on_node(
+        self, rows: dict[str, tuple[Tensor, Tensor]]
+    ) -> dict[str, tuple[Tensor, Tensor]] | None:
+        """Local aggregation: the node's workers' rows, summed, on its first worker."""
+        node = self.node
+        if node is None or len(node.ranks) == 1:
+            return rows
+        started = time.perf_counter()
+        names = self.sparse_names
+        counts = torch.tensor([len(rows[n][0]) for n in names], dtype=torch.long)
+        all_counts = [torch.zeros_like(counts) for _ in node.ranks]
+        dist.all_gather(all_counts, counts, group=node.group)
+        widths = [self.params[n][0].numel() for n in names]
+        max_idx = max(int(c.sum()) for c in all_counts)
+        max_val = max(sum(int(k) * w for k, w in zip(c, widths, strict=True)) for c in all_counts)
+        idx = torch.zeros(max_idx, dtype=torch.long)
+        val = torch.zeros(max_val)
+        flat_idx = torch.cat([rows[n][0] for n in names])
+        flat_val = torch.cat([rows[n][1].reshape(-1) for n in names])
+        idx[: len(flat_idx)] = flat_idx
+        val[: len(flat_val)] = flat_val
+        all_idx = [torch.empty_like(idx) for _ in node.ranks]
+        all_val = [torch.empty_like(val) for _ in node.ranks]
+        dist.all_gather(all_idx, idx, group=node.group)
+        dist.all_gather(all_val, val, group=node.group)
+        moved = (len(node.ranks) - 1) * (idx.numel() * 8 + val.numel() * 4 + counts.numel() * 8)
+        self._count(moved, moved, time.perf_counter() - started)
+        if self.context.rank != self.pushers_on_node():
+            return None
+        merged = {}
+        per_member: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
+        for member_counts, member_idx, member_val in zip(all_counts, all_idx, all_val, strict=True):
+            i_off = v_off = 0
+            for n, k, w in zip(names, member_counts.tolist(), widths, strict=True):
+                per_member[n].append(
+                    (member_idx[i_off : i_off + k], member_val[v_off : v_off + k * w].view(k, w))
+                )
+                i_off += k
+                v_off += k * w
+        for n in names:  # node members in rank order: the same sum on every run
+            merged[n] = sum_rows(per_member[n], self.params[n].shape[0])
+        return merged
+
+    def pushers_on_node(self) -> int:
+        assert self.node is not None
+        return min(self.node.ranks)
+
+    def step(self) -> None:
+        assert self.updater is not None
+        lr = self.updater.lr  # the rate this step's update uses (the schedule moves after)
+        self.fused.finish()
+        self.updater.update()
+        if self.sparse_names:
+            rows = self._local_rows()
+            if not self._connected:
+                self._connect({n: r[0] for n, r in rows.items()})
+            self._push(rows, lr)
+        self._step += 1
+
+    def _push(self, rows: dict[str, tuple[Tensor, Tensor]], lr: float) -> None:
+        aggregated = self._aggregate_on_node(rows)
+        if aggregated is None:  # not the node's pusher: its rows went into the node's sum
+            return
+        started = time.perf_counter()
+        per_server: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(self.num_servers)]
+        pieces: dict[RowPartition, tuple[Tensor, Tensor | None]] = {}
+        for name in self.sparse_names:
+            mine = [p for p in self.partitions if p.name == name]
+            pieces.update(zip(mine, split_rows(*aggregated[name], mine), strict=True))
+        for s, parts in enumerate(self.on_server):
+            for p in parts:
+                indices, values = pieces[p]
+                assert values is not None
+                per_server[s].append((indices, values))
+        with self.context.timeline.span("sparse-push", Phase.PUSH, step=self._step):
+            sent = self.client.push(self._step, lr, per_server)
+        self._count(sent, 0, time.perf_counter() - started)
+
+    def stats(self) -> CommStats:
+        return self.counters.copy()
+
+    def checkpoint_tensors(self) -> dict[str, Tensor] | None:
+        """Worker 0: its dense state, and the servers' authoritative sparse rows."""
+        if self.context is None or self.context.worker_index != 0 or self.model is None:
+            return None
+        assert self.updater is not None
+        tensors = model_state(self.model, self.updater.optimizer)
+        if not self._connected:
+            return tensors
+        states = self.client.request_state(self._step)
+        momentum = self.context.config.optim.momentum
+        with torch.no_grad():
+            for s, parts in enumerate(self.on_server):
+                for i, p in enumerate(parts):
+                    table = self.params[p.name].data.view(self.params[p.name].shape[0], -1)
+                    table[p.start : p.stop] = states[s][f"{i}/values"]
+                    if momentum:
+                        key = f"{OPTIM}{p.name}/momentum_buffer"
+                        buffer = tensors.setdefault(key, torch.zeros_like(self.params[p.name]))
+                        buffer.view(table.shape)[p.start : p.stop] = states[s][
+                            f"{i}/momentum_buffer"
+                        ]
+        for name in self.sparse_names:
+            tensors[PARAM + name] = self.params[name].detach().clone()
+        return {k: v.contiguous() for k, v in tensors.items()}
+
+    def finish(self) -> None:
+        if not self._connected:
+            return
+        self.client.done()
+        if self._server_thread is not None:
+            self._server_thread.join(timeout=self.context.config.launch.timeout_s)
+            if self._server_thread.is_alive():
+                raise RuntimeError("the colocated sparse server did not finish in time")
+
+
+__all__ = ["Hybrid", "classify", "describe_classification"]

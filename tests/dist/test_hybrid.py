@@ -1,0 +1,98 @@
+"""The hybrid strategy's sparse path on real Gloo ranks: untouched rows, bytes on the wire."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradsync.config import HybridConfig, OptimConfig, TrainConfig
+from gradsync.optim import Updater
+from gradsync.strategies.base import Context
+from gradsync.strategies.hybrid import Hybrid
+
+# Rows each worker's batch looks up, per step (duplicates on purpose: coalesced before sending).
+LOOKUPS = [
+    [[1, 2, 2, 5], [5, 7]],
+    [[3, 3], [3]],
+    [[1, 9], [2, 9, 9]],
+]
+
+
+class _Toy(nn.Module):
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, 4, sparse=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids)).sum()
+
+
+def _train(rank: int, world_size: int, vocab: int, momentum: float, out: str) -> dict:
+    torch.manual_seed(0)
+    model = _Toy(vocab)
+    config = TrainConfig(
+        strategy="hybrid",
+        workers=world_size,
+        out=out,
+        optim=OptimConfig(lr=0.5, momentum=momentum),
+        hybrid=HybridConfig(colocate=True, partitions=2),
+    )
+    context = Context(
+        config=config,
+        rank=rank,
+        world_size=world_size,
+        worker_index=rank,
+        num_workers=world_size,
+        device=torch.device("cpu"),
+        worker_group=None,
+        make_updater=lambda ps: Updater(ps, config.optim, lr=0.5),
+    )
+    strategy = Hybrid()
+    module = strategy.setup(model, context)
+    initial = model.embedding.weight.detach().clone()
+    tables, sparse_bytes = [], []
+    for _step, lookups in enumerate(LOOKUPS):
+        before = strategy.sparse_counters.copy()
+        module(torch.tensor(lookups[rank])).backward()
+        strategy.step()
+        after = strategy.sparse_counters
+        sparse_bytes.append(
+            (after.bytes_sent - before.bytes_sent, after.bytes_recv - before.bytes_recv)
+        )
+        state = strategy.checkpoint_tensors()  # worker 0: the servers' rows after this step
+        if state is not None:
+            tables.append(state["param/embedding.weight"])
+    strategy.finish()
+    return {"initial": initial, "tables": tables, "bytes": sparse_bytes}
+
+
+def test_rows_no_worker_touched_stay_bit_identical(run_ranks, tmp_path) -> None:
+    worker0, _ = run_ranks(2, _train, 50, 0.0, str(tmp_path))
+    before = [worker0["initial"], *worker0["tables"]]
+    for step, lookups in enumerate(LOOKUPS):
+        touched = {row for rows in lookups for row in rows}
+        for row in range(50):
+            same = torch.equal(before[step + 1][row], before[step][row])
+            assert same == (row not in touched), (step, row)
+
+
+def test_momentum_moves_rows_touched_before_like_torch_sgd(run_ranks, tmp_path) -> None:
+    worker0, _ = run_ranks(2, _train, 50, 0.9, str(tmp_path))
+    final, initial = worker0["tables"][-1], worker0["initial"]
+    ever = {row for lookups in LOOKUPS for rows in lookups for row in rows}
+    for row in range(50):  # never touched: bit-identical; touched once: moved on by momentum
+        assert torch.equal(final[row], initial[row]) == (row not in ever), row
+    assert not torch.equal(worker0["tables"][1][7], worker0["tables"][0][7])  # row 7: step 0 only
+
+
+def test_sparse_bytes_follow_touched_rows_not_vocabulary(run_ranks, tmp_path) -> None:
+    small = run_ranks(2, _train, 1_000, 0.0, str(tmp_path / "small"))
+    large = run_ranks(2, _train, 100_000, 0.0, str(tmp_path / "large"))
+    for rank in range(2):
+        # Step 0 is the same too (no pulls: initial values are everywhere); later steps pull.
+        assert small[rank]["bytes"] == large[rank]["bytes"], rank
+    # And they scale with the rows: step 1 touches 1 row, step 2 three (per worker: 1 and 2).
+    sent = [b[0] for b in small[0]["bytes"]]
+    assert sent[1] < sent[2]
+    assert max(sent) < 1_000 * 4 * 4 / 4  # far below a quarter of even the small table

@@ -1,0 +1,142 @@
+"""P3's pieces without processes: slicing, layer order from the forward, the priority sender."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gradsync.comm.layer_order import LayerOrder
+from gradsync.comm.priority import PrioritySender
+from gradsync.comm.slicing import server_sizes, slice_bounds, slice_variables
+from gradsync.errors import UserError
+from gradsync.models import build_workload
+
+shapes = st.lists(
+    st.lists(st.integers(1, 60), min_size=1, max_size=3).map(tuple), min_size=1, max_size=12
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=shapes, slice_size=st.integers(1, 500), num_servers=st.integers(1, 4))
+def test_slices_cover_every_variable_once_within_size_round_robin(
+    shapes: list[tuple[int, ...]], slice_size: int, num_servers: int
+) -> None:
+    variables = [(f"v{i}", int(torch.Size(shape).numel())) for i, shape in enumerate(shapes)]
+    try:
+        slices = slice_variables(variables, slice_size=slice_size, num_servers=num_servers)
+    except UserError:
+        total = sum(len(slice_bounds(n, slice_size)) for _, n in variables)
+        assert total < num_servers
+        return
+    for name, numel in variables:
+        mine = [s for s in slices if s.name == name]
+        covered = [i for s in mine for i in range(s.start, s.stop)]
+        assert covered == list(range(numel))  # every value exactly once, in order
+        assert all(0 < s.numel <= slice_size for s in mine)
+        # "about" slice_size: near-equal pieces, never more than one piece too many
+        assert len(mine) == -(-numel // slice_size)
+    assert [s.index for s in slices] == list(range(len(slices)))
+    assert [s.server for s in slices] == [i % num_servers for i in range(len(slices))]
+    # Each server's buffer: its slices back to back in model order.
+    for server in range(num_servers):
+        offsets = [s.offset for s in slices if s.server == server]
+        sizes = [s.numel for s in slices if s.server == server]
+        assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert sum(server_sizes(slices, num_servers)) == sum(n for _, n in variables)
+
+
+def test_no_slicing_is_one_slice_per_variable_and_too_many_servers_is_an_error() -> None:
+    slices = slice_variables([("a", 100_000), ("b", 3)], slice_size=None, num_servers=2)
+    assert [(s.name, s.start, s.stop, s.server) for s in slices] == [
+        ("a", 0, 100_000, 0),
+        ("b", 0, 3, 1),
+    ]
+    with pytest.raises(UserError, match="3 parameter servers but only 2 slices"):
+        slice_variables([("a", 10), ("b", 3)], slice_size=None, num_servers=3)
+
+
+def test_default_slice_size_cuts_vgg16_into_about_40k_values() -> None:
+    model = build_workload("vgg16", preset="default", seed=0, dropout=False).model
+    variables = [(n, p.numel()) for n, p in model.named_parameters()]
+    slices = slice_variables(variables, slice_size=40_000, num_servers=2)
+    assert max(s.numel for s in slices) <= 40_000
+    sizes = dict(variables)
+    cut = [s for s in slices if sizes[s.name] > 40_000]
+    assert cut and min(s.numel for s in cut) > 20_000  # near-equal pieces, no tiny remainders
+
+
+def _first_forward(model: nn.Module, *inputs: torch.Tensor):
+    recorder = LayerOrder(model)
+    model(*inputs)
+    return recorder.finish()
+
+
+def test_layer_order_follows_the_forward_not_the_declaration() -> None:
+    class Backwards(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = nn.Linear(3, 1)  # declared first, runs last
+            self.first = nn.Linear(2, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.last(self.first(x))
+
+    layers = _first_forward(Backwards(), torch.ones(1, 2))
+    assert layers.names == ["first", "last"]
+    assert layers.layer_of == {"last.weight": 1, "last.bias": 1, "first.weight": 0, "first.bias": 0}
+
+
+def test_layer_order_of_the_transformer_handles_tied_and_uncalled_owners() -> None:
+    workload = build_workload("transformer", preset="tiny", seed=0, dropout=False)
+    batch = workload.dataset.batch(step=0, size=2, start=0, stop=2)
+    layers = _first_forward(workload.model, *batch.inputs)
+    # The tied embedding is used first by the embedding (and last by the output projection).
+    assert layers.layer_of["embedding.weight"] == 0
+    # out_proj's forward is never called (MultiheadAttention reads its weight): its layer is
+    # the attention module's.
+    for name in ("in_proj_weight", "out_proj.weight"):
+        key = f"encoder.layers.0.self_attn.{name}"
+        assert layers.names[layers.layer_of[key]] == "encoder.layers.0.self_attn"
+    encoder = layers.layer_of["encoder.layers.0.linear1.weight"]
+    decoder = layers.layer_of["decoder.layers.0.linear1.weight"]
+    assert 0 < encoder < decoder
+    assert set(layers.layer_of) == {n for n, _ in workload.model.named_parameters()}
+
+
+def _blocking_sender(fifo: bool):
+    """A sender whose first send blocks until released: everything queued meanwhile waits."""
+    release, sent = threading.Event(), []
+
+    def send(item: tuple[int, int], record) -> None:
+        if not sent:
+            release.wait(5)
+        sent.append(item)
+
+    return PrioritySender(send, name="test-send", fifo=fifo), release, sent
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+def test_an_early_layer_overtakes_queued_later_layers_unless_fifo(fifo: bool) -> None:
+    sender, release, sent = _blocking_sender(fifo)
+    # Backward order: the last layer's slices first; the first layer's arrive late.
+    for layer in (3, 3, 2, 2, 1, 0, 0):
+        sender.put((layer, len(sent)), priority=layer)
+        time.sleep(0.01)  # the first item is on the wire (blocked) before the rest queue
+    release.set()
+    sender.close(timeout_s=5)
+    layers = [layer for layer, _ in sent]
+    if fifo:
+        assert layers == [3, 3, 2, 2, 1, 0, 0]
+        assert all(r.next_seq is None or r.seq < r.next_seq for r in sender.log)
+    else:
+        # Slice granularity: only the slice already on the wire goes before layer 0.
+        assert layers == [3, 0, 0, 1, 2, 2, 3]
+        # The send log: whenever several layers were queued, the lowest went first.
+        for record in sender.log:
+            assert record.next_priority is None or record.priority <= record.next_priority
