@@ -28,7 +28,7 @@ from rich.progress import (
 )
 
 from gradsync.bench.experiment import Cell, Experiment
-from gradsync.config import LaunchConfig, OptimConfig, P3Config, PSConfig, TrainConfig
+from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
 from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
@@ -47,7 +47,7 @@ def cell_config(experiment: Experiment, cell: Cell, out: Path, *,
     launch = LaunchConfig(threads=cell.threads, interop_threads=cell.interop_threads)
     if cell.bandwidth is not None:
         launch = dataclasses.replace(launch, hosts=experiment.hosts, bandwidth=cell.bandwidth)
-    return TrainConfig(
+    config = TrainConfig(
         model=cell.model,
         preset=experiment.preset,
         model_options=experiment.model_options.get(cell.model, {}),
@@ -64,12 +64,13 @@ def cell_config(experiment: Experiment, cell: Cell, out: Path, *,
         optim=OptimConfig(name=experiment.optimizer, lr=experiment.lr,  # type: ignore[arg-type]
                           warmup_steps=experiment.lr_warmup_steps,
                           lr_scaling=cell.lr_scaling),  # type: ignore[arg-type]
-        ps=PSConfig(servers=cell.servers)
-        if cell.servers is not None and cell.strategy != "p3"
-        else PSConfig(),
-        p3=P3Config(servers=cell.servers) if cell.strategy == "p3" else P3Config(),
         launch=launch,
     )
+    if cell.servers is None:
+        return config
+    # The servers go to the strategy's own section (ps, hybrid and p3 each have one).
+    section = getattr(config, cell.strategy)
+    return config.replace(**{cell.strategy: dataclasses.replace(section, servers=cell.servers)})
 
 
 def load_results(out: Path) -> list[dict[str, Any]]:
