@@ -47,20 +47,26 @@ class SendRecord:
 class PrioritySender:
     """Queue of ready items; a thread sends each with ``send(item, record)``, most urgent first.
 
-    ``send`` runs on the sender thread and blocks until the item has left (one item on the
-    wire at a time is what makes preemption possible). An exception in ``send`` stops the
-    thread; :attr:`error` holds it and :meth:`put` and :meth:`close` re-raise it.
+    ``send`` runs on the sender thread. It either blocks until the item has left and returns
+    None, or starts an asynchronous send and returns a function that waits for it; at most
+    ``window`` such sends are in flight (the oldest is waited for before the next starts),
+    so an urgent item waits behind at most ``window`` items already on the wire. An
+    exception in ``send`` stops the thread; :attr:`error` holds it and :meth:`put` and
+    :meth:`close` re-raise it.
     """
 
     def __init__(
         self,
-        send: Callable[[Any, SendRecord], None],
+        send: Callable[[Any, SendRecord], Callable[[], None] | None],
         *,
         name: str,
         fifo: bool = False,
+        window: int = 1,
         log_limit: int = LOG_LIMIT,
     ) -> None:
         self.fifo = fifo
+        self.window = window
+        self._in_flight: deque[Callable[[], None]] = deque()
         self.error: BaseException | None = None
         self.log: deque[SendRecord] = deque(maxlen=log_limit)
         self._send = send
@@ -83,12 +89,20 @@ class PrioritySender:
         try:
             while True:
                 with self._cond:
-                    while not self._heap:
+                    while not self._heap and not self._in_flight:
                         self._cond.wait()
-                    (_, seq), priority, item = heapq.heappop(self._heap)
-                    if item is _STOP:
-                        return
-                    waiting = [(p, k[1]) for k, p, i in self._heap if i is not _STOP]
+                    entry = None
+                    if self._heap and len(self._in_flight) < self.window:
+                        entry = heapq.heappop(self._heap)
+                        waiting = [(p, k[1]) for k, p, i in self._heap if i is not _STOP]
+                if entry is None:  # nothing queued, or the window is full: finish the oldest
+                    self._in_flight.popleft()()
+                    continue
+                (_, seq), priority, item = entry
+                if item is _STOP:
+                    while self._in_flight:
+                        self._in_flight.popleft()()
+                    return
                 record = SendRecord(
                     priority=priority,
                     seq=seq,
@@ -98,7 +112,9 @@ class PrioritySender:
                     next_seq=min((s for _, s in waiting), default=None),
                 )
                 self.log.append(record)
-                self._send(item, record)
+                finish = self._send(item, record)
+                if finish is not None:
+                    self._in_flight.append(finish)
         except BaseException as error:  # the owner re-raises it on its next put/wait
             self.error = error
 

@@ -7,7 +7,7 @@ by the run's seed holds out 20% (359 images) for validation; training draws from
 1,438 by epoch permutations like every real-data reader.
 
 Example:
-    >>> train, validation = digits_split(seed=0, image_size=28)  # doctest: +SKIP
+    >>> train, validation = digits_split(seed=0, image_size=28)
     >>> train.num_samples, validation.num_samples
     (1438, 359)
 """

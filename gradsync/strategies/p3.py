@@ -66,6 +66,7 @@ PUSH, STATE, DONE = 0, 1, 2  # worker → server
 SLICE, STATE_REPLY, FIN = 0, 1, 2  # server → worker
 TAG_PUSH, TAG_PULL = 111, 112
 LAST = 2**40  # priority of control messages: after every slice
+SEND_WINDOW = 4  # slices in flight per sender: keeps the link busy; preemption waits ≤ this
 
 
 def _header(
@@ -77,6 +78,12 @@ def _header(
 def _decode(header: Tensor) -> tuple[int, int, int, int, int, int, float]:
     values = header.tolist()
     return (*(int(v) for v in values[:6]), float(values[6]))  # type: ignore[return-value]
+
+
+def _wait_all(works: list[Any], _keep_alive: Any) -> None:
+    """Wait for isends (bounded by the group's timeout); their tensors live until then."""
+    for work in works:
+        work.wait()
 
 
 def _nbytes(tensor: Tensor) -> int:
@@ -182,7 +189,7 @@ class PriorityPropagation(Strategy):
         for thread in receivers:
             thread.start()
         self.replies = PrioritySender(
-            self._send_reply, name="p3-reply", fifo=not config.p3.priority
+            self._send_reply, name="p3-reply", fifo=not config.p3.priority, window=SEND_WINDOW
         )
         writer = MetricsWriter(Path(config.out), context.rank, prefix="server")
         try:
@@ -286,11 +293,12 @@ class PriorityPropagation(Strategy):
         """Queue an updated slice for ``worker`` (tests override it to slow a layer down)."""
         self.replies.put((worker, header, values), priority)
 
-    def _send_reply(self, item: tuple[int, Tensor, Tensor | None], record: SendRecord) -> None:
+    def _send_reply(self, item: tuple[int, Tensor, Tensor | None], record: SendRecord):
         worker, header, payload = item
-        dist.send(header, dst=worker, group=self.pull_group, tag=TAG_PULL)
+        works = [dist.isend(header, dst=worker, group=self.pull_group, tag=TAG_PULL)]
         if payload is not None:
-            dist.send(payload, dst=worker, group=self.pull_group, tag=TAG_PULL)
+            works.append(dist.isend(payload, dst=worker, group=self.pull_group, tag=TAG_PULL))
+        return lambda: _wait_all(works, item)
 
     def _state_bytes(self) -> Tensor:
         tensors = {}
@@ -335,7 +343,10 @@ class PriorityPropagation(Strategy):
         self._exposed_s = 0.0
         self._states: list[queue.Queue[Tensor]] = [queue.Queue() for _ in self.server_ranks]
         self.sender = PrioritySender(
-            self._send_slice, name="p3-send", fifo=not context.config.p3.priority
+            self._send_slice,
+            name="p3-send",
+            fifo=not context.config.p3.priority,
+            window=SEND_WINDOW,
         )
         self._receivers = [
             threading.Thread(
@@ -384,7 +395,7 @@ class PriorityPropagation(Strategy):
         for s in slices:
             self.sender.put((s, self._step, layer, flat_grad), layer)
 
-    def _send_slice(self, item: Any, record: SendRecord) -> None:
+    def _send_slice(self, item: Any, record: SendRecord):
         if item[0] == "control":
             _, kind, server = item
             header = _header(kind, self.worker, -1, -1, 0, 0)
@@ -394,8 +405,9 @@ class PriorityPropagation(Strategy):
         payload = flat_grad[s.start : s.stop]
         header = _header(PUSH, self.worker, step, s.index, layer, s.numel)
         dst = self.server_ranks[s.server]
-        with self.timeline.span(
-            f"p3 push to server {s.server}",
+        track = f"p3 push {record.seq % SEND_WINDOW}"  # one track per slice in flight
+        self.timeline.begin(
+            track,
             Phase.PUSH,
             step=step,
             tensor=f"{s.name}[{s.start}:{s.stop}]",
@@ -406,10 +418,19 @@ class PriorityPropagation(Strategy):
             bytes=_nbytes(payload),
             queued=record.num_waiting,
             next_priority=record.next_priority,
-        ):
-            dist.send(header, dst=dst, group=self.push_group, tag=TAG_PUSH)
-            dist.send(payload, dst=dst, group=self.push_group, tag=TAG_PUSH)
-        self._bytes_sent += _nbytes(payload) + HEADER * 8
+            server=s.server,
+        )
+        works = [
+            dist.isend(header, dst=dst, group=self.push_group, tag=TAG_PUSH),
+            dist.isend(payload, dst=dst, group=self.push_group, tag=TAG_PUSH),
+        ]
+
+        def finish() -> None:
+            _wait_all(works, (header, payload))
+            self.timeline.end(track, Phase.PUSH, step=step)
+            self._bytes_sent += _nbytes(payload) + HEADER * 8
+
+        return finish
 
     def _receive_replies(self, server: int, rank: int) -> None:
         track = f"p3 pull from server {server}"
