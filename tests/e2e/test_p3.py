@@ -1,0 +1,68 @@
+"""Strategy ``p3`` end to end: it matches ``single`` on three models; bad options exit 2.
+
+One verify run per model keeps the cost down; together they cover 1 and 2 dedicated
+servers, priority order and FIFO, slicing on and off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import gradsync, verify_outcomes
+
+CELLS = {
+    # model: verify --strategies
+    "vgg16": "p3",
+    "resnet56": "p3:servers=2,p3:slicing=false",
+    "transformer": "p3:servers=2:priority=false",
+}
+
+
+@pytest.mark.parametrize("model", list(CELLS))
+def test_p3_matches_single(model: str, workdir: Path) -> None:
+    out = workdir / "verify"
+    result = gradsync(
+        "verify",
+        "--model",
+        model,
+        "--preset",
+        "tiny",
+        "--strategies",
+        CELLS[model],
+        "--workers",
+        "2",
+        "--steps",
+        "10",
+        "--slice-size",
+        "2000",
+        "--out",
+        str(out),
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    outcomes = verify_outcomes(out)
+    assert {o["strategy"] for o in outcomes} == {"single", *CELLS[model].split(",")}
+    for outcome in outcomes:
+        assert outcome["verdict"] in ("reference", "match"), outcome
+        assert outcome["max_abs"] <= outcome["tolerance"]
+
+
+BAD = {
+    "no servers": (["--strategy", "p3", "--servers", "0"], "--servers 0 leaves no parameter"),
+    "p3 flags elsewhere": (["--strategy", "ps", "--no-priority"], "apply to --strategy p3"),
+    "more servers than slices": (
+        ["--strategy", "p3", "--model", "mnist-cnn", "--no-slicing", "--servers", "30"],
+        "30 parameter servers but only 8 slices",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_p3_options_are_one_line_and_exit_2(case: str, workdir: Path) -> None:
+    args, message = BAD[case]
+    result = gradsync("train", "--preset", "tiny", *args, "--out", "run", cwd=workdir)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradsync: error: ") and message in lines[0]
