@@ -128,36 +128,55 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
         "hybrid (--strategy hybrid; --servers and --colocate place its sparse servers)"
     )
     hybrid.add_argument(
-        "--partitions", type=_positive_int, metavar="P",
+        "--partitions",
+        type=_positive_int,
+        metavar="P",
         help="row partitions per sparse variable (default: chosen by a cost model)",
     )
     hybrid.add_argument(
-        "--average-sparse", action=argparse.BooleanOptionalAction, default=True,
+        "--average-sparse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="average the workers' sparse gradients (--no-average-sparse: sum them)",
     )
     hybrid.add_argument(
-        "--no-local-aggregation", dest="local_aggregation", action="store_false",
+        "--no-local-aggregation",
+        dest="local_aggregation",
+        action="store_false",
         help="push every worker's sparse gradients (default: summed per node first)",
     )
     hybrid.add_argument(
-        "--sparse-pattern", action="append", default=[], metavar="GLOB",
+        "--sparse-pattern",
+        action="append",
+        default=[],
+        metavar="GLOB",
         help="treat matching variables as sparse (glob, or re:REGEX; repeatable)",
     )
     hybrid.add_argument(
-        "--dense-pattern", action="append", default=[], metavar="GLOB",
+        "--dense-pattern",
+        action="append",
+        default=[],
+        metavar="GLOB",
         help="treat matching variables as dense (allreduce); wins over --sparse-pattern",
     )
     p3 = parser.add_argument_group("P3 (--strategy p3; --servers sets its servers)")
     p3.add_argument(
-        "--slice-size", type=_positive_int, default=40_000, metavar="N",
+        "--slice-size",
+        type=_positive_int,
+        default=40_000,
+        metavar="N",
         help="values per parameter slice (default 40000, MXNet P3's)",
     )
     p3.add_argument(
-        "--no-priority", dest="priority", action="store_false",
+        "--no-priority",
+        dest="priority",
+        action="store_false",
         help="send slices in arrival order (FIFO) instead of layer order",
     )
     p3.add_argument(
-        "--no-slicing", dest="slicing", action="store_false",
+        "--no-slicing",
+        dest="slicing",
+        action="store_false",
         help="send whole variables instead of slices",
     )
     run = parser.add_argument_group("launch and measurement")
@@ -166,8 +185,9 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
         type=_positive_int,
         help="intra-op threads per rank (default: cores / local ranks)",
     )
-    run.add_argument("--interop-threads", type=_positive_int,
-                     help="inter-op threads per rank (default: torch's)")
+    run.add_argument(
+        "--interop-threads", type=_positive_int, help="inter-op threads per rank (default: torch's)"
+    )
     run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     run.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
@@ -271,17 +291,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench = commands.add_parser("bench", help="run an experiment file's sweep, then report")
     bench.add_argument("experiment", help="TOML experiment file, e.g. experiments/NAME.toml")
-    bench.add_argument("--out", help="results folder (default: results/<experiment name>); "
-                       "an interrupted sweep resumes there")
-    bench.add_argument("--timeline", action="store_true",
-                       help="also write each cell's Chrome trace (cells/<id>/trace.json)")
+    bench.add_argument(
+        "--out",
+        help="results folder (default: results/<experiment name>); "
+        "an interrupted sweep resumes there",
+    )
+    bench.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also write each cell's Chrome trace (cells/<id>/trace.json)",
+    )
     report = commands.add_parser("report", help="write the Markdown report of a sweep")
     report.add_argument("results", help="results folder of gradsync bench")
     timeline = commands.add_parser("timeline", help="analyse a --timeline trace")
     timeline.add_argument("action", choices=["summarize"])
     timeline.add_argument("traces", nargs="+", help="Chrome-trace files from --timeline")
-    timeline.add_argument("--step", type=int, help="step drawn in the Gantt chart (default: "
-                          "rank 0's median-length step)")
+    timeline.add_argument(
+        "--step",
+        type=int,
+        help="step drawn in the Gantt chart (default: rank 0's median-length step)",
+    )
     compare = commands.add_parser("compare", help="compare checkpoints tensor by tensor")
     compare.add_argument("checkpoints", nargs="+", help="reference first, then the others")
     compare.add_argument("--tolerance", type=float, default=1e-5, help="max abs difference")
@@ -551,8 +580,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/{experiment.name}")
     cells = experiment.cells()
     print(f"{experiment.name}: {len(cells)} cells, {experiment.steps} steps each; results in {out}")
-    records = run_sweep(experiment, out, show_progress=sys.stdout.isatty(),
-                        timeline=args.timeline)
+    records = run_sweep(experiment, out, show_progress=sys.stdout.isatty(), timeline=args.timeline)
     failed = sum(r["status"] == "failed" for r in records)
     report = write_report(out)
     print(f"{len(records) - failed} cell(s) ok, {failed} failed; report in {report}")
@@ -599,8 +627,13 @@ def cmd_netem(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "demo": cmd_demo, "compare": cmd_compare}
-COMMANDS.update(commbench=cmd_commbench, netem=cmd_netem, timeline=cmd_timeline,
-                bench=cmd_bench, report=cmd_report)
+COMMANDS.update(
+    commbench=cmd_commbench,
+    netem=cmd_netem,
+    timeline=cmd_timeline,
+    bench=cmd_bench,
+    report=cmd_report,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

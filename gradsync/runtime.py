@@ -73,8 +73,14 @@ def _train_and_record(
     out = Path(config.out)
     num_workers = config.workers
     role = "worker" if env.rank < num_workers else "server"
-    timeline = open_timeline(out, path=config.timeline, window_text=config.timeline_steps,
-                             rank=env.rank, world_size=env.world_size, role=role)
+    timeline = open_timeline(
+        out,
+        path=config.timeline,
+        window_text=config.timeline_steps,
+        rank=env.rank,
+        world_size=env.world_size,
+        role=role,
+    )
     strategy = strategy_class(config.strategy)()
     # Server ranks (strategies that have them) come after the workers. new_group is
     # collective: every rank creates the worker group, even the servers.
@@ -104,8 +110,11 @@ def _train_and_record(
     if num_workers > 1 and convert_batchnorm(model, group=worker_group) and env.rank == 0:
         print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
     if env.rank == 0 and (per_epoch := _iterations_per_epoch(workload, global_batch)):
-        print(f"[rank 0] data: {workload.num_train_samples:,} training samples, so an epoch is "
-              f"{per_epoch:,} iterations at global batch {global_batch}", flush=True)
+        print(
+            f"[rank 0] data: {workload.num_train_samples:,} training samples, so an epoch is "
+            f"{per_epoch:,} iterations at global batch {global_batch}",
+            flush=True,
+        )
     torch.manual_seed(mix_seed(config.seed, env.rank))  # dropout differs per rank, reproducibly
 
     base_batch = workload.global_batch

@@ -198,8 +198,13 @@ def summarize_trace(path: Path) -> TraceSummary:
         comm_total = sum(s.comm_ms for s in mine)
         exposed = sum(s.exposed_comm_ms for s in mine)
         if not mine:  # a server: no steps of its own; its busy time per step it served
-            served = [s for (p, tid), track in spans.items() if p == pid for s in track
-                      if s.name in COMM_PHASES]
+            served = [
+                s
+                for (p, tid), track in spans.items()
+                if p == pid
+                for s in track
+                if s.name in COMM_PHASES
+            ]
             count = len({s.args.get("step") for s in served}) or 1
             comm_total = _union_ms([(s.begin, s.end) for s in served]) / count
         ranks.append(

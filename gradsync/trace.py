@@ -99,8 +99,9 @@ class NullTimeline:
     def start_step(self, step: int) -> None:
         pass
 
-    def span(self, track: str, name: str, *, step: int | None = None,
-             **args: Any) -> contextlib.AbstractContextManager[None]:
+    def span(
+        self, track: str, name: str, *, step: int | None = None, **args: Any
+    ) -> contextlib.AbstractContextManager[None]:
         return self._nothing
 
     def begin(self, track: str, name: str, *, step: int | None = None, **args: Any) -> None:
@@ -195,16 +196,18 @@ class Timeline(NullTimeline):
             self._event("E", track, name, self.now_us(), args)
 
     @contextlib.contextmanager
-    def _span(self, track: str, name: str, args: dict[str, Any],
-              step: int | None) -> Iterator[None]:
+    def _span(
+        self, track: str, name: str, args: dict[str, Any], step: int | None
+    ) -> Iterator[None]:
         self._event("B", track, name, self.now_us(), args, step=step)
         try:
             yield
         finally:
             self._event("E", track, name, self.now_us(), {})
 
-    def span(self, track: str, name: str, *, step: int | None = None,
-             **args: Any) -> contextlib.AbstractContextManager[None]:
+    def span(
+        self, track: str, name: str, *, step: int | None = None, **args: Any
+    ) -> contextlib.AbstractContextManager[None]:
         return self._span(track, name, args, step) if self._recording(step) else self._nothing
 
     def record_step(self, step: int, started: float, elapsed: float) -> None:

@@ -280,9 +280,11 @@ def report_demo(outcomes: list[Outcome], out: Path, title: str) -> None:
                 o.verdict,
             ]
         )
-    note = (f"Correctness: max |Δparam| against single after the same global batches; tolerance "
-            f"{outcomes[0].tolerance:.1e} (see gradsync/verify.py). Throughput: samples/s after "
-            f"warm-up, median over windows (min–max); ratios are to ddp in this run.")
+    note = (
+        f"Correctness: max |Δparam| against single after the same global batches; tolerance "
+        f"{outcomes[0].tolerance:.1e} (see gradsync/verify.py). Throughput: samples/s after "
+        f"warm-up, median over windows (min–max); ratios are to ddp in this run."
+    )
     print_table(title, headers, rows)
     print(note)
     markdown = f"# {title}\n\n" + markdown_table(headers, rows) + f"\n\n{note}"

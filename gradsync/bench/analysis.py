@@ -97,10 +97,14 @@ def _combine(group: list[dict[str, Any]]) -> Row:
     first = min(group, key=lambda r: r["repeat"])
     return Row(
         cell=_with(_cell(first), repeat=0),
-        median=statistics.median(medians), low=low, high=high, repeats=len(group),
+        median=statistics.median(medians),
+        low=low,
+        high=high,
+        repeats=len(group),
         bytes_per_step=statistics.median(r["bytes_sent_per_step"] for r in group),
         exposed_comm_ms=1000 * statistics.median(r["exposed_comm_s_per_step"] for r in group),
-        loss=first["loss"], outs=[r["out"] for r in group],
+        loss=first["loss"],
+        outs=[r["out"] for r in group],
         accuracy=_median_or_none(r.get("validation_accuracy") for r in group),
         iterations_per_epoch=first.get("iterations_per_epoch"),
     )
@@ -111,10 +115,14 @@ def _median_or_none(values: Any) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _check_correctness(experiment: Experiment, records: list[dict[str, Any]],
-                       rows: list[Row], out: Path) -> None:
-    references = {(r["model"], r["global_batch"], r["lr_scaling"], r["role"]): r["out"]
-                  for r in records if r["status"] == "ok" and r["role"] != "measure"}
+def _check_correctness(
+    experiment: Experiment, records: list[dict[str, Any]], rows: list[Row], out: Path
+) -> None:
+    references = {
+        (r["model"], r["global_batch"], r["lr_scaling"], r["role"]): r["out"]
+        for r in records
+        if r["status"] == "ok" and r["role"] != "measure"
+    }
     for row in rows:
         key = (row.cell.model, row.cell.global_batch, row.cell.lr_scaling)
         reference_out = references.get((*key, "reference"))

@@ -40,7 +40,7 @@ KEYS: dict[str, str] = {
     "batch_per_worker": "per-worker batch sizes; global batch = this × workers (list)",
     "threads": "intra-op threads per rank (list of positive integers)",
     "interop_threads": "inter-op threads per rank (list of positive integers)",
-    "bandwidths": "emulated link rates, e.g. \"1gbit\" (list; needs root for namespaces)",
+    "bandwidths": 'emulated link rates, e.g. "1gbit" (list; needs root for namespaces)',
     "hosts": "emulated hosts when bandwidths are set (positive integer, default 2)",
     "lr_scaling": "learning-rate scaling rules: none | linear | sqrt (list)",
     "optimizer": "sgd | adam",
@@ -73,11 +73,19 @@ class Cell:
     @property
     def id(self) -> str:
         """A stable, filesystem-safe name: the resume key and the run folder."""
-        parts = [self.role, self.model.replace("/", "_").replace(":", "_"), self.strategy,
-                 f"w{self.workers}"]
-        for label, value in (("s", self.servers), ("b", self.global_batch),
-                             ("t", self.threads), ("i", self.interop_threads),
-                             ("bw", self.bandwidth)):
+        parts = [
+            self.role,
+            self.model.replace("/", "_").replace(":", "_"),
+            self.strategy,
+            f"w{self.workers}",
+        ]
+        for label, value in (
+            ("s", self.servers),
+            ("b", self.global_batch),
+            ("t", self.threads),
+            ("i", self.interop_threads),
+            ("bw", self.bandwidth),
+        ):
             if value is not None:
                 parts.append(f"{label}{value}")
         if self.lr_scaling != "none":
@@ -87,8 +95,18 @@ class Cell:
 
     def group(self) -> tuple[Any, ...]:
         """Cells that differ only by repeat belong together."""
-        return (self.model, self.strategy, self.workers, self.servers, self.global_batch,
-                self.threads, self.interop_threads, self.bandwidth, self.lr_scaling, self.role)
+        return (
+            self.model,
+            self.strategy,
+            self.workers,
+            self.servers,
+            self.global_batch,
+            self.threads,
+            self.interop_threads,
+            self.bandwidth,
+            self.lr_scaling,
+            self.role,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,26 +142,57 @@ class Experiment:
     def cells(self) -> list[Cell]:
         """The matrix, reference cells first (so correctness is known as early as possible)."""
         measured: list[Cell] = []
-        for repeat, model, strategy, workers, batch, threads, interop, bandwidth, scaling in (
-            itertools.product(range(self.repeats), self.models, self.strategies, self.workers,
-                              self.batch_per_worker or self.global_batch, self.threads,
-                              self.interop_threads, self.bandwidths, self.lr_scaling)
+        for (
+            repeat,
+            model,
+            strategy,
+            workers,
+            batch,
+            threads,
+            interop,
+            bandwidth,
+            scaling,
+        ) in itertools.product(
+            range(self.repeats),
+            self.models,
+            self.strategies,
+            self.workers,
+            self.batch_per_worker or self.global_batch,
+            self.threads,
+            self.interop_threads,
+            self.bandwidths,
+            self.lr_scaling,
         ):
             if strategy == "single" and workers != 1:
                 continue
             if self.batch_per_worker:
                 batch = batch * workers  # type: ignore[operator]
             for servers in self.servers if has_servers(strategy) else [None]:
-                measured.append(Cell(model=model, strategy=strategy, workers=workers,
-                                     servers=servers, global_batch=batch, threads=threads,
-                                     interop_threads=interop, bandwidth=bandwidth,
-                                     lr_scaling=scaling, repeat=repeat))
+                measured.append(
+                    Cell(
+                        model=model,
+                        strategy=strategy,
+                        workers=workers,
+                        servers=servers,
+                        global_batch=batch,
+                        threads=threads,
+                        interop_threads=interop,
+                        bandwidth=bandwidth,
+                        lr_scaling=scaling,
+                        repeat=repeat,
+                    )
+                )
         references: list[Cell] = []
         if self.verify:
             keys = dict.fromkeys((c.model, c.global_batch, c.lr_scaling) for c in measured)
             for model, batch, scaling in keys:
-                common = dict(model=model, strategy="single", workers=1, global_batch=batch,
-                              lr_scaling=scaling)
+                common = dict(
+                    model=model,
+                    strategy="single",
+                    workers=1,
+                    global_batch=batch,
+                    lr_scaling=scaling,
+                )
                 references.append(Cell(**common, role="reference"))
                 references.append(Cell(**common, threads=1, role="reference-rerun"))
         return references + measured
@@ -160,8 +209,10 @@ def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment file; every problem is a one-line UserError."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"no experiment file at {path}; pass a TOML file such as "
-                        "experiments/horovod-synthetic.toml")
+        raise UserError(
+            f"no experiment file at {path}; pass a TOML file such as "
+            "experiments/horovod-synthetic.toml"
+        )
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
@@ -176,8 +227,14 @@ def load_experiment(path: str | Path) -> Experiment:
     for key in ("models", "strategies", "lr_scaling"):
         if key in raw:
             values[key] = _strings(raw[key], key, where)
-    for key in ("workers", "servers", "global_batch", "batch_per_worker", "threads",
-                "interop_threads"):
+    for key in (
+        "workers",
+        "servers",
+        "global_batch",
+        "batch_per_worker",
+        "threads",
+        "interop_threads",
+    ):
         if key in raw:
             values[key] = _positive_ints(raw[key], key, where)
     if "bandwidths" in raw:
@@ -217,8 +274,11 @@ def _strings(value: Any, key: str, where: str) -> list[str]:
 
 
 def _positive_ints(value: Any, key: str, where: str) -> list[int]:
-    ok = isinstance(value, list) and value and all(
-        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    )
     if not ok:
         raise UserError(f"{where}: {key} must be a list of positive integers, got {value!r}")
     return value
@@ -226,24 +286,32 @@ def _positive_ints(value: Any, key: str, where: str) -> list[int]:
 
 def _model_options(value: Any, where: str) -> dict[str, dict[str, str]]:
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise UserError(f"{where}: model_options must be a table per model, e.g. "
-                        "[model_options.lstm-lm] sparse = \"true\"")
-    return {model: {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in opts.items()}
-            for model, opts in value.items()}
+        raise UserError(
+            f"{where}: model_options must be a table per model, e.g. "
+            '[model_options.lstm-lm] sparse = "true"'
+        )
+    return {
+        model: {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in opts.items()}
+        for model, opts in value.items()
+    }
 
 
 def _check_names(experiment: Experiment, where: str) -> None:
     for strategy in experiment.strategies:
         if strategy not in STRATEGIES:
-            raise UserError(f"{where}: unknown strategy '{strategy}' in strategies; allowed: "
-                            f"{', '.join(STRATEGIES)}")
+            raise UserError(
+                f"{where}: unknown strategy '{strategy}' in strategies; allowed: "
+                f"{', '.join(STRATEGIES)}"
+            )
     for scaling in experiment.lr_scaling:
         if scaling not in LR_SCALINGS:
-            raise UserError(f"{where}: unknown lr_scaling '{scaling}'; allowed: "
-                            f"{', '.join(LR_SCALINGS)}")
+            raise UserError(
+                f"{where}: unknown lr_scaling '{scaling}'; allowed: {', '.join(LR_SCALINGS)}"
+            )
     if experiment.optimizer not in OPTIMIZERS:
-        raise UserError(f"{where}: unknown optimizer '{experiment.optimizer}'; allowed: "
-                        f"{', '.join(OPTIMIZERS)}")
+        raise UserError(
+            f"{where}: unknown optimizer '{experiment.optimizer}'; allowed: {', '.join(OPTIMIZERS)}"
+        )
     for model in experiment.models:
         try:
             check_model(model, experiment.preset, experiment.model_options.get(model))
@@ -251,5 +319,7 @@ def _check_names(experiment: Experiment, where: str) -> None:
             raise UserError(f"{where}: {error}") from None
     for model in experiment.model_options:
         if model not in experiment.models:
-            raise UserError(f"{where}: model_options for '{model}', which is not in models "
-                            f"({', '.join(experiment.models)})")
+            raise UserError(
+                f"{where}: model_options for '{model}', which is not in models "
+                f"({', '.join(experiment.models)})"
+            )

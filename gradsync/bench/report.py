@@ -21,9 +21,26 @@ from gradsync.tables import markdown_table
 
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"
-HEADERS = ["strategy", "workers", "servers", "batch", "threads", "inter-op", "link", "lr rule",
-           "samples/s median (min–max)", "spread", "speedup", "efficiency", "bytes sent/step",
-           "exposed comm/step", "max |Δ| vs single", "verdict", "val. accuracy", "iters/epoch"]
+HEADERS = [
+    "strategy",
+    "workers",
+    "servers",
+    "batch",
+    "threads",
+    "inter-op",
+    "link",
+    "lr rule",
+    "samples/s median (min–max)",
+    "spread",
+    "speedup",
+    "efficiency",
+    "bytes sent/step",
+    "exposed comm/step",
+    "max |Δ| vs single",
+    "verdict",
+    "val. accuracy",
+    "iters/epoch",
+]
 
 
 def write_report(out: Path) -> Path:
@@ -61,32 +78,44 @@ def _environment(records: list[dict]) -> list[str]:
     if not ok:
         return []
     env = ok[0]["environment"]
-    return [f"Measured with gradsync {env.get('gradsync')}, torch {env.get('torch')}, on "
-            f"{env.get('cpu')} ({env.get('cores')} cores); steps per job "
-            f"{len(ok[0]['step_times_s'])}, warm-up {ok[0]['throughput']['warmup_steps']} "
-            "steps left out; throughput is the whole job's samples/s.", ""]
+    return [
+        f"Measured with gradsync {env.get('gradsync')}, torch {env.get('torch')}, on "
+        f"{env.get('cpu')} ({env.get('cores')} cores); steps per job "
+        f"{len(ok[0]['step_times_s'])}, warm-up {ok[0]['throughput']['warmup_steps']} "
+        "steps left out; throughput is the whole job's samples/s.",
+        "",
+    ]
 
 
 def _table(rows: list[Row]) -> str:
     """The model's table, without columns that are empty in every row."""
     cells = [_cells(row) for row in rows]
-    keep = [i for i, header in enumerate(HEADERS)
-            if header in ("strategy", "workers", "samples/s median (min–max)")
-            or any(row[i] not in ("-", "") for row in cells)]
+    keep = [
+        i
+        for i, header in enumerate(HEADERS)
+        if header in ("strategy", "workers", "samples/s median (min–max)")
+        or any(row[i] not in ("-", "") for row in cells)
+    ]
     return markdown_table([HEADERS[i] for i in keep], [[row[i] for i in keep] for row in cells])
 
 
 def _cells(row: Row) -> list[str]:
     cell = row.cell
     return [
-        cell.strategy, str(cell.workers), _dash(cell.servers), _dash(cell.global_batch),
-        _dash(cell.threads), _dash(cell.interop_threads), cell.bandwidth or "loopback",
+        cell.strategy,
+        str(cell.workers),
+        _dash(cell.servers),
+        _dash(cell.global_batch),
+        _dash(cell.threads),
+        _dash(cell.interop_threads),
+        cell.bandwidth or "loopback",
         cell.lr_scaling,
         f"{row.median:,.1f} ({row.low:,.1f}–{row.high:,.1f})",
         f"{row.spread:.0%}" + (" noisy" if row.noisy else ""),
         "-" if row.speedup is None else f"{row.speedup:.2f}×",
         "-" if row.efficiency is None else f"{row.efficiency:.0%}",
-        f"{row.bytes_per_step / 2**20:,.2f} MB", f"{row.exposed_comm_ms:.1f} ms",
+        f"{row.bytes_per_step / 2**20:,.2f} MB",
+        f"{row.exposed_comm_ms:.1f} ms",
         "-" if row.max_abs is None else f"{row.max_abs:.1e} (tol {row.tolerance:.0e})",
         row.verdict,
         "-" if row.accuracy is None else f"{row.accuracy:.1%}",
@@ -111,46 +140,64 @@ def reading(rows: list[Row]) -> str:
         ranked = sorted(group, key=lambda row: -row.median)
         best, runner = ranked[0], ranked[1]
         where = f"at {workers} worker{'s' if workers > 1 else ''}" + (
-            f" behind {bandwidth} links" if bandwidth else "")
-        sentence = (f"{where.capitalize()}, {_label(best)} is fastest with "
-                    f"{best.median:,.1f} samples/s, {best.median / runner.median:.2f}× "
-                    f"{_label(runner)}")
+            f" behind {bandwidth} links" if bandwidth else ""
+        )
+        sentence = (
+            f"{where.capitalize()}, {_label(best)} is fastest with "
+            f"{best.median:,.1f} samples/s, {best.median / runner.median:.2f}× "
+            f"{_label(runner)}"
+        )
         if len(ranked) > 2:
             sentence += f" and {best.median / ranked[-1].median:.2f}× {_label(ranked[-1])}"
         if best.low <= runner.high:
-            sentence += (f"; the ranges overlap ({best.low:,.1f}–{best.high:,.1f} vs "
-                         f"{runner.low:,.1f}–{runner.high:,.1f}), so the order of these two is "
-                         "uncertain")
+            sentence += (
+                f"; the ranges overlap ({best.low:,.1f}–{best.high:,.1f} vs "
+                f"{runner.low:,.1f}–{runner.high:,.1f}), so the order of these two is "
+                "uncertain"
+            )
         elif best.noisy or runner.noisy:
             sentence += "; the ranges do not overlap, but one of the two is noisy"
         sentences.append(sentence + ".")
     scaled = [row for row in rows if row.efficiency is not None and row.cell.workers > 1]
     if scaled:
         top = max(row.cell.workers for row in scaled)
-        at_top = sorted((row for row in scaled if row.cell.workers == top),
-                        key=lambda row: -(row.efficiency or 0))
+        at_top = sorted(
+            (row for row in scaled if row.cell.workers == top),
+            key=lambda row: -(row.efficiency or 0),
+        )
         sentences.append(
             f"Scaling to {top} workers, {_label(at_top[0])} keeps the highest efficiency "
             f"({at_top[0].efficiency:.0%} of ideal)"
-            + (f", {_label(at_top[-1])} the lowest ({at_top[-1].efficiency:.0%})"
-               if len(at_top) > 1 else "") + ".")
+            + (
+                f", {_label(at_top[-1])} the lowest ({at_top[-1].efficiency:.0%})"
+                if len(at_top) > 1
+                else ""
+            )
+            + "."
+        )
     checked = [row for row in rows if row.max_abs is not None]
     if checked:
         failing = [row for row in checked if row.verdict == "FAIL"]
         sentences.append(
             "Every synchronous strategy matches single within tolerance."
-            if not failing else
-            "Beyond tolerance: " + ", ".join(_label(row) for row in failing) + ".")
+            if not failing
+            else "Beyond tolerance: " + ", ".join(_label(row) for row in failing) + "."
+        )
     noisy = [row for row in rows if row.noisy]
     if noisy:
-        sentences.append(f"{len(noisy)} result(s) have a spread above 10% and are flagged "
-                         "noisy; rerun them with more steps or repeats before relying on them.")
+        sentences.append(
+            f"{len(noisy)} result(s) have a spread above 10% and are flagged "
+            "noisy; rerun them with more steps or repeats before relying on them."
+        )
     return " ".join(sentences) or "Only one strategy per setting: nothing to compare."
 
 
 def _label(row: Row) -> str:
-    servers = f" ({row.cell.servers} server{'s' if (row.cell.servers or 0) > 1 else ''})" \
-        if row.cell.servers else ""
+    servers = (
+        f" ({row.cell.servers} server{'s' if (row.cell.servers or 0) > 1 else ''})"
+        if row.cell.servers
+        else ""
+    )
     return f"`{row.cell.strategy}`{servers}"
 
 
@@ -174,9 +221,15 @@ def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str
     for index, (name, mine) in enumerate(series.items()):
         for row in mine:
             x = workers.index(row.cell.workers) + index * width
-            ax.bar(x, row.median, width, color=f"C{index}",
-                   yerr=[[row.median - row.low], [row.high - row.median]], capsize=3,
-                   label=name if row is mine[0] else None)
+            ax.bar(
+                x,
+                row.median,
+                width,
+                color=f"C{index}",
+                yerr=[[row.median - row.low], [row.high - row.median]],
+                capsize=3,
+                label=name if row is mine[0] else None,
+            )
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workers))], [str(w) for w in workers])
     ax.set_xlabel("workers")
     ax.set_ylabel("samples/s (median, min–max)")
@@ -190,8 +243,14 @@ def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str
         ax.plot(*zip(*points, strict=True), marker="o", color=f"C{index}", label=name)
         one = next((m for w, m in points if w == 1), None)
         if one is not None:
-            ax.plot(workers, [w * one for w in workers], linestyle="--", color=f"C{index}",
-                    alpha=0.5, label=f"{name} ideal")
+            ax.plot(
+                workers,
+                [w * one for w in workers],
+                linestyle="--",
+                color=f"C{index}",
+                alpha=0.5,
+                label=f"{name} ideal",
+            )
     ax.set_xlabel("workers")
     ax.set_ylabel("samples/s")
     ax.set_title(f"{model}: scaling (dashed: ideal N·T(1))")
@@ -221,8 +280,12 @@ def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str
     fig, ax = plt.subplots(figsize=(7, 4))
     for index, (name, mine) in enumerate(series.items()):
         row = max(mine, key=lambda r: r.cell.workers)
-        ax.plot(range(len(row.loss)), row.loss, color=f"C{index}",
-                label=f"{name} ({row.cell.workers} workers)")
+        ax.plot(
+            range(len(row.loss)),
+            row.loss,
+            color=f"C{index}",
+            label=f"{name} ({row.cell.workers} workers)",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over workers)")
     ax.set_title(f"{model}: loss vs step")
@@ -232,8 +295,10 @@ def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str
 
 
 def _find(rows: list[Row], workers: int, link: str) -> Row | None:
-    return next((r for r in rows if r.cell.workers == workers
-                 and (r.cell.bandwidth or "loopback") == link), None)
+    return next(
+        (r for r in rows if r.cell.workers == workers and (r.cell.bandwidth or "loopback") == link),
+        None,
+    )
 
 
 def _rate_order(link: str) -> float:

@@ -37,8 +37,9 @@ RESULTS_FILE = "results.jsonl"
 CELLS_DIR = "cells"
 
 
-def cell_config(experiment: Experiment, cell: Cell, out: Path, *,
-                timeline: bool = False) -> TrainConfig:
+def cell_config(
+    experiment: Experiment, cell: Cell, out: Path, *, timeline: bool = False
+) -> TrainConfig:
     """The job of one cell. Dropout is off so every cell can be compared with ``single``.
 
     With ``timeline`` the job also writes ``cells/<id>/trace.json`` (see gradsync.trace).
@@ -61,9 +62,12 @@ def cell_config(experiment: Experiment, cell: Cell, out: Path, *,
         timeline=str(run_dir / "trace.json") if timeline else None,
         deterministic=True,
         measure_warmup=experiment.warmup_steps,
-        optim=OptimConfig(name=experiment.optimizer, lr=experiment.lr,  # type: ignore[arg-type]
-                          warmup_steps=experiment.lr_warmup_steps,
-                          lr_scaling=cell.lr_scaling),  # type: ignore[arg-type]
+        optim=OptimConfig(
+            name=experiment.optimizer,
+            lr=experiment.lr,  # type: ignore[arg-type]
+            warmup_steps=experiment.lr_warmup_steps,
+            lr_scaling=cell.lr_scaling,
+        ),  # type: ignore[arg-type]
         launch=launch,
     )
     if cell.servers is None:
@@ -86,8 +90,9 @@ def load_results(out: Path) -> list[dict[str, Any]]:
     return list(records.values())
 
 
-def run_sweep(experiment: Experiment, out: Path, *, show_progress: bool = True,
-              timeline: bool = False) -> list[dict]:
+def run_sweep(
+    experiment: Experiment, out: Path, *, show_progress: bool = True, timeline: bool = False
+) -> list[dict]:
     """Run every cell not yet recorded as ok; return all records."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(experiment.path, out / "experiment.toml")
@@ -99,14 +104,17 @@ def run_sweep(experiment: Experiment, out: Path, *, show_progress: bool = True,
     todo = [cell for cell in cells if cell.id not in done]
     if done:
         print(f"resuming {out}: {len(done)} cell(s) already done, {len(todo)} to run")
-    with _SweepProgress(len(cells), len(done), enabled=show_progress) as progress, \
-            open(out / RESULTS_FILE, "a") as results:
+    with (
+        _SweepProgress(len(cells), len(done), enabled=show_progress) as progress,
+        open(out / RESULTS_FILE, "a") as results,
+    ):
         for cell in todo:
             config = configs[cell.id]
             shutil.rmtree(config.out, ignore_errors=True)  # a half-run cell starts afresh
             metrics = Path(config.out) / METRICS_DIR / "rank0.jsonl"
-            record = progress.run(cell, lambda c=cell, j=config: run_cell(experiment, c, j),
-                                  metrics)
+            record = progress.run(
+                cell, lambda c=cell, j=config: run_cell(experiment, c, j), metrics
+            )
             results.write(json.dumps(record) + "\n")
             results.flush()
     return load_results(out)
@@ -114,18 +122,28 @@ def run_sweep(experiment: Experiment, out: Path, *, show_progress: bool = True,
 
 def run_cell(experiment: Experiment, cell: Cell, config: TrainConfig) -> dict[str, Any]:
     """Run one cell's job; its record, ``ok`` or ``failed`` with the error."""
-    record: dict[str, Any] = {"id": cell.id, **dataclasses.asdict(cell),
-                              "experiment": experiment.name, "out": config.out}
+    record: dict[str, Any] = {
+        "id": cell.id,
+        **dataclasses.asdict(cell),
+        "experiment": experiment.name,
+        "out": config.out,
+    }
     started = time.time()
     try:
         summary = run_job(config)
     except (JobFailed, UserError, Exception) as error:  # recorded; the sweep goes on
-        return {**record, "status": "failed", "error": str(error).splitlines()[0][:500],
-                "wall_s": time.time() - started}
+        return {
+            **record,
+            "status": "failed",
+            "error": str(error).splitlines()[0][:500],
+            "wall_s": time.time() - started,
+        }
     records = read_records(Path(config.out))
     steps = sorted({r["step"] for lines in records.values() for r in lines})
-    step_times = [max(r["step_time_s"] for lines in records.values() for r in lines
-                      if r["step"] == s) for s in steps]
+    step_times = [
+        max(r["step_time_s"] for lines in records.values() for r in lines if r["step"] == s)
+        for s in steps
+    ]
     workers = [rank for rank in summary["ranks"] if int(rank) < cell.workers]
     exposed = [summary["ranks"][rank]["exposed_comm_s_per_step"] for rank in workers]
     return {
@@ -153,12 +171,19 @@ class _SweepProgress:
 
     def __enter__(self) -> _SweepProgress:
         if self.enabled:
-            self._bar = Progress(TextColumn("cells"), MofNCompleteColumn(), BarColumn(),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[status]}"))
+            self._bar = Progress(
+                TextColumn("cells"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+            )
             self._bar.__enter__()
-            self._task = self._bar.add_task("sweep", total=self.total, completed=self.done,
-                                            status="")
+            self._task = self._bar.add_task(
+                "sweep", total=self.total, completed=self.done, status=""
+            )
         return self
 
     def run(self, cell: Cell, job: Callable[[], dict[str, Any]], metrics: Path) -> dict[str, Any]:

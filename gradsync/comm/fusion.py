@@ -139,8 +139,9 @@ class FusedAllreduce:
     def _copy_in(self, bucket: Bucket, position: int) -> None:
         if not bucket.filled:
             self.timeline.begin(bucket.name, Phase.QUEUE, tensor=bucket.name)
-        with self.timeline.span(bucket.name, Phase.MEMCPY_IN_FUSION_BUFFER,
-                                tensor=bucket.names[position]):
+        with self.timeline.span(
+            bucket.name, Phase.MEMCPY_IN_FUSION_BUFFER, tensor=bucket.names[position]
+        ):
             self._copy_grad(bucket, position)
 
     def _copy_grad(self, bucket: Bucket, position: int) -> None:
@@ -158,13 +159,17 @@ class FusedAllreduce:
     def _launch(self, bucket: Bucket) -> None:
         num_bytes = bucket.buffer.numel() * bucket.buffer.element_size()
         self.timeline.end(bucket.name, Phase.QUEUE)
-        self.timeline.begin(bucket.name, Phase.ALLREDUCE, tensor=bucket.name, bytes=num_bytes,
-                            tensors=len(bucket.params))
+        self.timeline.begin(
+            bucket.name,
+            Phase.ALLREDUCE,
+            tensor=bucket.name,
+            bytes=num_bytes,
+            tensors=len(bucket.params),
+        )
         work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         if self.timeline.enabled:
             # The end is stamped when the allreduce completes, not when step() waits for it.
-            work = work.get_future().then(
-                lambda _: self.timeline.end(bucket.name, Phase.ALLREDUCE))
+            work = work.get_future().then(lambda _: self.timeline.end(bucket.name, Phase.ALLREDUCE))
         bucket.work = work
         self.stats.add_allreduce(num_bytes, self.world_size)
 
@@ -190,8 +195,9 @@ class FusedAllreduce:
         for bucket in self.buckets:
             with self.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor=bucket.name):
                 bucket.work.wait()
-            with self.timeline.span(bucket.name, Phase.MEMCPY_OUT_FUSION_BUFFER,
-                                    tensor=bucket.name):
+            with self.timeline.span(
+                bucket.name, Phase.MEMCPY_OUT_FUSION_BUFFER, tensor=bucket.name
+            ):
                 self._copy_out(bucket)
             bucket.reset()
         self.stats.exposed_comm_s += time.perf_counter() - started

@@ -200,8 +200,12 @@ class Client:
         timeline = self.timeline
         for index, (rank, pull) in enumerate(zip(self.servers, self.pull_buffers, strict=True)):
             if rank is not None:  # receive posted before the send: nothing waits unmatched
-                timeline.begin(f"pull from server {index}", Phase.PULL,
-                               tensor=f"server{index}", bytes=wire_size(pull))
+                timeline.begin(
+                    f"pull from server {index}",
+                    Phase.PULL,
+                    tensor=f"server{index}",
+                    bytes=wire_size(pull),
+                )
                 pulls.append((index, dist.irecv(pull, src=rank, group=self.group, tag=TAG_PULL)))
                 received += wire_size(pull)
         for index, (rank, push) in enumerate(zip(self.servers, self.push_buffers, strict=True)):
@@ -209,8 +213,12 @@ class Client:
             if rank is None:
                 self._local_inbox().put_local(push.clone())
             else:
-                timeline.begin(f"push to server {index}", Phase.PUSH,
-                               tensor=f"server{index}", bytes=wire_size(push))
+                timeline.begin(
+                    f"push to server {index}",
+                    Phase.PUSH,
+                    tensor=f"server{index}",
+                    bytes=wire_size(push),
+                )
                 pushes.append((index, dist.isend(push, dst=rank, group=self.group, tag=TAG_PUSH)))
                 sent += wire_size(push)
         for index, rank in enumerate(self.servers):

@@ -133,15 +133,21 @@ class SyncRounds:
             return
         started = time.perf_counter()
         step, nbytes = message.step, message.payload.numel() * message.payload.element_size()
-        with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, step=step,
-                                tensor=self.track, bytes=nbytes * self.log.num_workers):
+        with self.timeline.span(
+            self.track,
+            Phase.SERVER_AGGREGATE,
+            step=step,
+            tensor=self.track,
+            bytes=nbytes * self.log.num_workers,
+        ):
             # Fixed worker order: the sum is the same on every run (bit-identical reruns).
             total = self.pending[0].clone()
             for worker in range(1, self.log.num_workers):
                 total += self.pending[worker]
             total /= self.log.num_workers
-        with self.timeline.span(self.track, Phase.SERVER_APPLY, step=step, tensor=self.track,
-                                bytes=nbytes):
+        with self.timeline.span(
+            self.track, Phase.SERVER_APPLY, step=step, tensor=self.track, bytes=nbytes
+        ):
             self.state.apply(total, message.step)
         reply = self.state.snapshot(message.step)
         tally = self.log.tally(message.step)
@@ -168,8 +174,13 @@ class BoundedStaleness:
 
     def on_push(self, message: Message) -> None:
         started = time.perf_counter()
-        with self.timeline.span(self.track, Phase.SERVER_APPLY, step=message.step,
-                                tensor=self.track, worker=message.worker):
+        with self.timeline.span(
+            self.track,
+            Phase.SERVER_APPLY,
+            step=message.step,
+            tensor=self.track,
+            worker=message.worker,
+        ):
             self.state.apply(message.payload / self.log.num_workers, message.step)
         self.clocks[message.worker] = message.step + 1
         self.waiting.append((message.worker, message.step))

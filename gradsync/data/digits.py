@@ -41,15 +41,20 @@ def digits_split(*, seed: int, image_size: int) -> tuple[TensorSamples, FixedSam
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise UserError("--data sklearn:digits needs scikit-learn; pip install scikit-learn "
-                        "(or pass --data a folder of MNIST idx files)") from None
+        raise UserError(
+            "--data sklearn:digits needs scikit-learn; pip install scikit-learn "
+            "(or pass --data a folder of MNIST idx files)"
+        ) from None
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    images = F.interpolate(images, size=(image_size, image_size), mode="bilinear",
-                           align_corners=False)
+    images = F.interpolate(
+        images, size=(image_size, image_size), mode="bilinear", align_corners=False
+    )
     labels = torch.tensor(digits.target, dtype=torch.long)
     order = torch.randperm(len(labels), generator=generator(seed, 0xD1617))
     held_out = int(len(labels) * VALIDATION_FRACTION)
     validation, train = order[:held_out], order[held_out:]
-    return (TensorSamples(images[train], labels[train], seed=seed),
-            FixedSamples(images[validation], labels[validation]))
+    return (
+        TensorSamples(images[train], labels[train], seed=seed),
+        FixedSamples(images[validation], labels[validation]),
+    )

@@ -137,8 +137,10 @@ def mnist_test_set(directory: str | Path) -> FixedSamples | None:
         location, TEST_LABELS_FILE, magic=LABELS_MAGIC, num_dims=1
     )
     if count != label_count:
-        raise UserError(f"MNIST test files in {location} disagree: {count} images but "
-                        f"{label_count} labels; {_HOW_TO_FIX}")
+        raise UserError(
+            f"MNIST test files in {location} disagree: {count} images but "
+            f"{label_count} labels; {_HOW_TO_FIX}"
+        )
     images = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(count, 1, rows, columns)
     labels = torch.frombuffer(bytearray(label_bytes), dtype=torch.uint8).long()
     return FixedSamples(images.float() / 255.0, labels)

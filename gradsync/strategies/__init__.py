@@ -19,8 +19,14 @@ from gradsync.strategies.single import SingleProcess
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (SingleProcess, NativeDDP, HorovodAllreduce, ParameterServer, Hybrid,
-                PriorityPropagation)
+    for cls in (
+        SingleProcess,
+        NativeDDP,
+        HorovodAllreduce,
+        ParameterServer,
+        Hybrid,
+        PriorityPropagation,
+    )
 }
 
 

@@ -23,34 +23,43 @@ def test_tiny_experiment_end_to_end(workdir: Path) -> None:
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     measured = [r for r in records if r["role"] == "measure"]
     assert {(r["strategy"], r["workers"]) for r in measured} == {
-        ("ddp", 1), ("ddp", 2), ("allreduce", 1), ("allreduce", 2)}
+        ("ddp", 1),
+        ("ddp", 2),
+        ("allreduce", 1),
+        ("allreduce", 2),
+    }
     for record in records:
         assert record["status"] == "ok"
         assert len(record["step_times_s"]) == 8
         assert record["throughput"]["warmup_steps"] == 2
         assert {"torch", "cpu", "cores", "threads_per_rank", "link_rate"} <= set(
-            record["environment"])
+            record["environment"]
+        )
     report = (out / "report.md").read_text()
     assert "| strategy | workers |" in report and "efficiency" in report
     assert "is fastest with" in report and "matches single within tolerance" in report
-    plots = [line.split("(")[1].rstrip(")") for line in report.splitlines()
-             if line.startswith("![")]
+    plots = [
+        line.split("(")[1].rstrip(")") for line in report.splitlines() if line.startswith("![")
+    ]
     assert len(plots) == 4
     for plot in plots:
         image = matplotlib.image.imread(out / plot)
         assert image.shape[0] > 100 and image.std() > 0.01  # a real picture, not blank
 
 
-def test_interrupted_sweep_resumes_without_redoing_cells(workdir: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_sweep_resumes_without_redoing_cells(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     experiment_file = workdir / "two.toml"
-    experiment_file.write_text('name = "two"\nmodels = ["mnist-cnn"]\npreset = "tiny"\n'
-                               'strategies = ["allreduce"]\nworkers = [1, 2]\nsteps = 3\n')
+    experiment_file.write_text(
+        'name = "two"\nmodels = ["mnist-cnn"]\npreset = "tiny"\n'
+        'strategies = ["allreduce"]\nworkers = [1, 2]\nsteps = 3\n'
+    )
     experiment = load_experiment(experiment_file)
     real_run_cell = sweep.run_cell
     calls: list[str] = []
 
-    def interrupted_after_one(experiment, cell, config):  # noqa: ANN001, ANN202
+    def interrupted_after_one(experiment, cell, config):
         if calls:
             raise KeyboardInterrupt
         calls.append(cell.id)
@@ -63,7 +72,7 @@ def test_interrupted_sweep_resumes_without_redoing_cells(workdir: Path,
 
     resumed: list[str] = []
 
-    def counting(experiment, cell, config):  # noqa: ANN001, ANN202
+    def counting(experiment, cell, config):
         resumed.append(cell.id)
         return real_run_cell(experiment, cell, config)
 
@@ -80,24 +89,33 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(workdir: Path) -> None
     data.mkdir()
     (data / "train-images-idx3-ubyte").write_bytes(b"garbage")
     (data / "train-labels-idx1-ubyte").write_bytes(b"garbage")
-    experiment_file.write_text(f'name = "fail"\nmodels = ["mnist-cnn"]\npreset = "tiny"\n'
-                               f'data = "{data}"\nstrategies = ["ddp", "allreduce"]\n'
-                               f'workers = [1]\nsteps = 2\n')
+    experiment_file.write_text(
+        f'name = "fail"\nmodels = ["mnist-cnn"]\npreset = "tiny"\n'
+        f'data = "{data}"\nstrategies = ["ddp", "allreduce"]\n'
+        f"workers = [1]\nsteps = 2\n"
+    )
     result = gradsync("bench", str(experiment_file), "--out", "out", cwd=workdir)
     assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in (workdir / "out" / "results.jsonl").read_text()
-               .splitlines()]
+    records = [
+        json.loads(line) for line in (workdir / "out" / "results.jsonl").read_text().splitlines()
+    ]
     assert len(records) == 2 and all(r["status"] == "failed" for r in records)
     assert "MNIST" in records[0]["error"] or "idx" in records[0]["error"]
     assert "## Failed cells" in (workdir / "out" / "report.md").read_text()
 
 
 BAD_FILES = {
-    "unknown key": ('models = ["mnist-cnn"]\nworkerz = [2]\n', "unknown key 'workerz'",
-                    "allowed keys:"),
+    "unknown key": (
+        'models = ["mnist-cnn"]\nworkerz = [2]\n',
+        "unknown key 'workerz'",
+        "allowed keys:",
+    ),
     "unknown strategy": ('strategies = ["gossip"]\n', "unknown strategy 'gossip'", "allowed:"),
-    "workers not positive": ('workers = [2, 0]\n', "workers must be a list of positive integers",
-                             "[2, 0]"),
+    "workers not positive": (
+        "workers = [2, 0]\n",
+        "workers must be a list of positive integers",
+        "[2, 0]",
+    ),
     "workers not integers": ('workers = ["two"]\n', "workers must be a list of positive", "two"),
 }
 

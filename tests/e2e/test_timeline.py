@@ -77,8 +77,7 @@ def test_trace_is_valid_and_bounded_by_the_window(strategy: str, workdir: Path) 
         assert {"tensor", "bytes", "step"} <= allreduce["args"].keys()
     if strategy == "ps":
         assert {"PUSH", "PULL", "COMM_WAIT", "SERVER_AGGREGATE", "SERVER_APPLY"} <= phases
-        processes = {e["args"]["name"] for e in trace["traceEvents"]
-                     if e["name"] == "process_name"}
+        processes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
         assert "rank 2 (server)" in processes
 
     summary = summarize_trace(trace_path)

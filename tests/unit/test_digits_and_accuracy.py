@@ -17,7 +17,7 @@ def test_digits_split_is_disjoint_deterministic_and_resized() -> None:
     assert (train.num_samples, validation.num_samples) == (1438, 359)
     batch = train.batch(step=2, size=16, start=0, stop=16)
     assert batch.inputs[0].shape == (16, 1, 28, 28)
-    assert 0.0 <= float(batch.inputs[0].min()) and float(batch.inputs[0].max()) <= 1.0
+    assert float(batch.inputs[0].min()) >= 0.0 and float(batch.inputs[0].max()) <= 1.0
     assert torch.equal(batch.inputs[0], again.batch(step=2, size=16, start=0, stop=16).inputs[0])
     held_out = {tuple(x.flatten().tolist()) for x in validation.images}
     assert not any(tuple(x.flatten().tolist()) in held_out for x in train.images[:200])
@@ -41,9 +41,16 @@ def test_validation_accuracy_counts_correct_predictions() -> None:
     workload = build_workload("mnist-cnn", preset="tiny", data="sklearn:digits")
     labels = workload.validation.batch(step=0, size=359, start=0, stop=359).targets
     expected = int((labels == 0).sum()) / 359
-    oracle = Workload(model=_Oracle(), dataset=workload.dataset, loss=workload.loss,
-                      global_batch=8, validation=workload.validation, num_validation=359)
+    oracle = Workload(
+        model=_Oracle(),
+        dataset=workload.dataset,
+        loss=workload.loss,
+        global_batch=8,
+        validation=workload.validation,
+        num_validation=359,
+    )
     assert validation_accuracy(oracle.model, oracle, torch.device("cpu")) == expected
-    without = Workload(model=_Oracle(), dataset=workload.dataset, loss=workload.loss,
-                       global_batch=8)
+    without = Workload(
+        model=_Oracle(), dataset=workload.dataset, loss=workload.loss, global_batch=8
+    )
     assert validation_accuracy(without.model, without, torch.device("cpu")) is None

@@ -47,27 +47,35 @@ def test_recorder_keeps_only_the_window_and_merges(tmp_path: Path) -> None:
 
 
 def _trace(tmp_path: Path, events: list[dict]) -> Path:
-    metadata = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0,
-                 "args": {"name": "rank 0 (worker)"}}]
+    metadata = [
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "rank 0 (worker)"}}
+    ]
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": metadata + events,
-                                "otherData": {"strategy": "allreduce"}}))
+    path.write_text(
+        json.dumps({"traceEvents": metadata + events, "otherData": {"strategy": "allreduce"}})
+    )
     return path
 
 
 def _span(name: str, begin: float, end: float, tid: int = 0, **args: object) -> list[dict]:
-    return [{"ph": "B", "name": name, "pid": 0, "tid": tid, "ts": begin,
-             "args": {"step": 0, **args}},
-            {"ph": "E", "name": name, "pid": 0, "tid": tid, "ts": end}]
+    return [
+        {"ph": "B", "name": name, "pid": 0, "tid": tid, "ts": begin, "args": {"step": 0, **args}},
+        {"ph": "E", "name": name, "pid": 0, "tid": tid, "ts": end},
+    ]
 
 
 def test_summary_splits_a_step_exactly(tmp_path: Path) -> None:
     # A 10 ms step: forward 2, backward 3 (an allreduce of 4 ms overlaps its last 2 ms
     # and 2 more), comm wait 2, optimizer 1, idle 2.
-    events = (_span("STEP", 0, 10_000) + _span("FORWARD", 1000, 3000)
-              + _span("FORWARD:encoder", 1000, 2000) + _span("BACKWARD", 3000, 6000)
-              + _span("COMM_WAIT", 6000, 8000) + _span("OPTIMIZER_STEP", 8000, 9000)
-              + _span("ALLREDUCE", 4000, 8000, tid=1, tensor="bucket0", bytes=100))
+    events = (
+        _span("STEP", 0, 10_000)
+        + _span("FORWARD", 1000, 3000)
+        + _span("FORWARD:encoder", 1000, 2000)
+        + _span("BACKWARD", 3000, 6000)
+        + _span("COMM_WAIT", 6000, 8000)
+        + _span("OPTIMIZER_STEP", 8000, 9000)
+        + _span("ALLREDUCE", 4000, 8000, tid=1, tensor="bucket0", bytes=100)
+    )
     events.sort(key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"))
     summary = summarize_trace(_trace(tmp_path, events))
     (step,) = summary.steps
