@@ -238,11 +238,14 @@ class Timeline(NullTimeline):
         step_span: bool = False,
         step: int | None = None,
     ) -> None:
-        with self._lock:  # the training thread, comm callbacks and a server thread record
-            tid = self._tracks.get(track)
-            if tid is None:
-                tid = self._tracks.setdefault(track, len(self._tracks))
-                self._name_track(track, tid)
+        tid = self._tracks.get(track)
+        if tid is None:
+            # New tracks are rare; the lock keeps two threads from naming one twice.
+            with self._lock:
+                tid = self._tracks.get(track)
+                if tid is None:
+                    tid = self._tracks[track] = len(self._tracks)
+                    self._name_track(track, tid)
         event = {"ph": ph, "name": name, "pid": self.rank, "tid": tid, "ts": ts}
         if ph == "B":
             event["args"] = {"step": self.step if step is None else step, **args}

@@ -2,16 +2,17 @@
 
 Horovod's fusion buffer and DDP's gradient buckets both exist because one allreduce of a
 large buffer costs far less than many small ones. Buckets are formed once, in reverse
-parameter order (the order backward produces gradients), up to a size threshold. A
-gradient is copied into its bucket the moment it is accumulated; the bucket's allreduce is
-launched asynchronously when its last gradient arrives, overlapping the rest of backward.
+parameter order (the order backward produces gradients), up to a size threshold. When a
+bucket's last gradient is accumulated, its gradients are copied into the bucket's flat
+buffer (as Horovod's MEMCPY_IN_FUSION_BUFFER) and the allreduce is launched
+asynchronously, overlapping the rest of backward.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,12 +34,12 @@ class Bucket:
     buffer: Tensor
     pending: int = 0
     work: Any = None
-    filled: set[int] = field(default_factory=set)
+    queued: bool = False
 
     def reset(self) -> None:
         self.pending = len(self.params)
         self.work = None
-        self.filled.clear()
+        self.queued = False
 
 
 def plan_buckets(params: Sequence[nn.Parameter], threshold_bytes: int) -> list[list[int]]:
@@ -125,8 +126,8 @@ class FusedAllreduce:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _on_grad_ready(self, param: Tensor) -> None:
-        bucket, position = self._slot[id(param)]
-        self._copy_in(bucket, position)
+        bucket, _ = self._slot[id(param)]
+        self._queue(bucket)
         bucket.pending -= 1
         # Launch strictly in bucket order, as DDP does: every rank must issue the same
         # collectives in the same order even if gradients arrive in another order.
@@ -136,29 +137,34 @@ class FusedAllreduce:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    def _copy_in(self, bucket: Bucket, position: int) -> None:
-        if not bucket.filled:
+    def _queue(self, bucket: Bucket) -> None:
+        """The bucket waits for the rest of its gradients from its first one on (QUEUE)."""
+        if not bucket.queued:
+            bucket.queued = True
             self.timeline.begin(bucket.name, Phase.QUEUE, tensor=bucket.name)
-        with self.timeline.span(
-            bucket.name, Phase.MEMCPY_IN_FUSION_BUFFER, tensor=bucket.names[position]
-        ):
-            self._copy_grad(bucket, position)
 
-    def _copy_grad(self, bucket: Bucket, position: int) -> None:
-        param = bucket.params[position]
-        start = bucket.offsets[position]
-        view = bucket.buffer[start : start + param.numel()]
-        grad = param.grad
-        if grad is None:
-            view.zero_()
-        else:
-            # Sparse gradients are densified, like Horovod's sparse_as_dense.
-            view.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
-        bucket.filled.add(position)
+    def _fill(self, bucket: Bucket) -> None:
+        """Copy every gradient of a complete bucket into its fusion buffer (Horovod's
+        MEMCPY_IN_FUSION_BUFFER); a parameter that got no gradient contributes zeros."""
+        with self.timeline.span(
+            bucket.name,
+            Phase.MEMCPY_IN_FUSION_BUFFER,
+            tensor=bucket.name,
+            bytes=bucket.buffer.numel() * bucket.buffer.element_size(),
+        ):
+            for param, start in zip(bucket.params, bucket.offsets, strict=True):
+                view = bucket.buffer[start : start + param.numel()]
+                grad = param.grad
+                if grad is None:
+                    view.zero_()
+                else:
+                    # Sparse gradients are densified, like Horovod's sparse_as_dense.
+                    view.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
 
     def _launch(self, bucket: Bucket) -> None:
         num_bytes = bucket.buffer.numel() * bucket.buffer.element_size()
         self.timeline.end(bucket.name, Phase.QUEUE)
+        self._fill(bucket)
         self.timeline.begin(
             bucket.name,
             Phase.ALLREDUCE,
@@ -186,10 +192,8 @@ class FusedAllreduce:
         """Wait for every bucket, write averaged gradients into ``param.grad``, reset."""
         started = time.perf_counter()
         for bucket in self.buckets[self._next_launch :]:
-            # Parameters that got no gradient this step contribute zeros.
-            for position in range(len(bucket.params)):
-                if position not in bucket.filled:
-                    self._copy_in(bucket, position)
+            # Buckets with parameters that got no gradient this step: zeros stand in.
+            self._queue(bucket)
             self._launch(bucket)
         self._next_launch = 0
         for bucket in self.buckets:
