@@ -61,7 +61,7 @@ def write_report(out: Path) -> Path:
             lines += ["No successful cells.", ""]
             continue
         lines += [_table(mine), ""]
-        lines += [reading(mine), ""]
+        lines += [reading(mine) + _cores_caveat(mine, records), ""]
         for kind, path in _plots(out, model, mine, experiment.strategies).items():
             lines += [f"![{kind}]({path.relative_to(out)})", ""]
     failed = [r for r in records if r["status"] == "failed"]
@@ -97,6 +97,20 @@ def _table(rows: list[Row]) -> str:
         or any(row[i] not in ("-", "") for row in cells)
     ]
     return markdown_table([HEADERS[i] for i in keep], [[row[i] for i in keep] for row in cells])
+
+
+def _cores_caveat(rows: list[Row], records: list[dict]) -> str:
+    """Say so when the workers outnumber the cores: then scaling measures overheads only."""
+    cores = next((r["environment"].get("cores") for r in records if r["status"] == "ok"), None)
+    most = max(row.cell.workers for row in rows)
+    if not cores or most <= cores:
+        return ""
+    return (
+        f" This machine has {cores} cores, so {most} workers share them: one worker "
+        "already uses every core, the ideal line is out of reach, and the efficiency "
+        "shows what communication and oversubscription cost rather than how well the "
+        "strategy scales."
+    )
 
 
 def _cells(row: Row) -> list[str]:
