@@ -354,9 +354,9 @@ def gantt(path: Path, out_png: Path, step: int | None = None) -> int:
     ax.set_xlabel("ms since the step began")
     ax.set_title(f"{trace.get('otherData', {}).get('strategy', '')}: step {step}, all ranks")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=6, loc="upper right", ncol=4)
+    ax.legend(handles, list(colors), fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
+    fig.savefig(out_png, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return step

@@ -203,7 +203,7 @@ class Client:
                 timeline.begin(
                     f"pull from server {index}",
                     Phase.PULL,
-                    tensor=f"server{index}",
+                    tensor=f"server {index}",
                     bytes=wire_size(pull),
                 )
                 pulls.append((index, dist.irecv(pull, src=rank, group=self.group, tag=TAG_PULL)))
@@ -216,7 +216,7 @@ class Client:
                 timeline.begin(
                     f"push to server {index}",
                     Phase.PUSH,
-                    tensor=f"server{index}",
+                    tensor=f"server {index}",
                     bytes=wire_size(push),
                 )
                 pushes.append((index, dist.isend(push, dst=rank, group=self.group, tag=TAG_PUSH)))
