@@ -268,16 +268,20 @@ class Client:
 
     def _local_reply(self, tag: int) -> Tensor:
         assert self.local is not None
-        replies = self.local[1].local[tag]
-        waited = 0.0
-        while True:  # short waits, so a dead server thread is noticed at once
-            with contextlib.suppress(queue.Empty):
-                return replies.get(timeout=0.5)
-            waited += 0.5
-            if not self.alive():
-                raise TransportError("the colocated server thread of this rank has stopped")
-            if waited >= self.timeout_s:
-                raise TransportError(f"the colocated server did not answer in {self.timeout_s:g} s")
+        return wait_local_reply(self.local[1].local[tag], self.alive, self.timeout_s)
+
+
+def wait_local_reply(replies: queue.Queue[Any], alive: Any, timeout_s: float) -> Any:
+    """The next reply of this rank's colocated server thread, noticing at once if it died."""
+    waited = 0.0
+    while True:  # short waits, so a dead server thread is noticed at once
+        with contextlib.suppress(queue.Empty):
+            return replies.get(timeout=0.5)
+        waited += 0.5
+        if not alive():
+            raise TransportError("the colocated server thread of this rank has stopped")
+        if waited >= timeout_s:
+            raise TransportError(f"the colocated server did not answer in {timeout_s:g} s")
 
 
 __all__ = [
@@ -290,4 +294,5 @@ __all__ = [
     "Message",
     "Outbox",
     "TransportError",
+    "wait_local_reply",
 ]

@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import queue
 import threading
@@ -41,7 +40,16 @@ from safetensors.torch import load as load_tensors
 from torch import Tensor
 
 from gradsync.comm.placement import Variable, partition_variables, place_round_robin
-from gradsync.comm.pushpull import DONE, PUSH, STATE, TAG_PULL, TAG_STATE, Outbox, TransportError
+from gradsync.comm.pushpull import (
+    DONE,
+    PUSH,
+    STATE,
+    TAG_PULL,
+    TAG_STATE,
+    Outbox,
+    TransportError,
+    wait_local_reply,
+)
 from gradsync.trace import Phase
 
 PULL = 3
@@ -578,16 +586,7 @@ class SparseClient:
 
     def _local_reply(self, tag: int) -> Tensor:
         assert self.local is not None
-        replies = self.local[1].local[tag]
-        waited = 0.0
-        while True:  # short waits, so a dead server thread is noticed at once
-            with contextlib.suppress(queue.Empty):
-                return replies.get(timeout=0.5)
-            waited += 0.5
-            if not self.alive():
-                raise TransportError("the colocated sparse server of this rank has stopped")
-            if waited >= self.timeout_s:
-                raise TransportError(f"the colocated server did not answer in {self.timeout_s:g} s")
+        return wait_local_reply(self.local[1].local[tag], self.alive, self.timeout_s)
 
 
 __all__ = [
