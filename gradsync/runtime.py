@@ -93,7 +93,8 @@ def _train_and_record(
         try:
             _serve(config, env, strategy, device, worker_group, timeline)
         finally:
-            timeline.close()
+            timeline.close()  # its events are on disk before rank 0 merges them
+        dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
         return
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
@@ -159,9 +160,9 @@ def _train_and_record(
     with progress:
         train(workload, strategy, context, global_batch=global_batch, on_step=on_step)
     writer.close()
-    timeline.close()
     _write_checkpoint(strategy, out, {**meta, "step": config.steps})
     strategy.finish()
+    timeline.close()  # after finish: a colocated server thread records until then
     accuracy = validation_accuracy(workload.model, workload, device) if env.rank == 0 else None
     if dist.is_initialized():
         dist.barrier()  # every rank's metrics are on disk before rank 0 summarizes
@@ -222,7 +223,6 @@ def _serve(
         timeline=timeline,
     )
     strategy.serve(context)
-    dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
 
 
 def _write_checkpoint(strategy: Strategy, out: Path, meta: dict[str, object]) -> None:
