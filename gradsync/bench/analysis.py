@@ -73,7 +73,11 @@ def analyse(experiment: Experiment, records: list[dict[str, Any]], out: Path) ->
     rows = [_combine(group) for group in groups.values()]
     by_key = {row.cell.group(): row for row in rows}
     for row in rows:
-        one = by_key.get(_with(row.cell, workers=1).group())
+        # Weak scaling (batch_per_worker): one worker ran its own, smaller global batch.
+        batch = row.cell.global_batch
+        if experiment.batch_per_worker and batch is not None:
+            batch //= row.cell.workers
+        one = by_key.get(_with(row.cell, workers=1, global_batch=batch).group())
         if one is not None and one.median > 0:
             row.speedup = row.median / one.median
             row.efficiency = row.median / (row.cell.workers * one.median)
