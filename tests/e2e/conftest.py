@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +38,25 @@ def verify_outcomes(out: Path) -> list[dict[str, Any]]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def kill_rank_when_running(
+    job: subprocess.Popen[str], out: Path, metrics_file: str, rank: int
+) -> tuple[str, float, dict[str, int]]:
+    """Once ``metrics_file`` shows progress, SIGKILL ``rank``; return the job's stderr, the
+    seconds from the kill until the job ended, and the ranks' pids (the job is killed if it
+    outlives 30 s)."""
+    metrics = out / "metrics" / metrics_file
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert time.monotonic() < deadline and job.poll() is None, "the job never started"
+            time.sleep(0.1)
+        pids = json.loads((out / "ranks-node0.json").read_text())
+        killed_at = time.monotonic()
+        os.kill(pids[str(rank)], signal.SIGKILL)
+        _, stderr = job.communicate(timeout=30)
+        return stderr, time.monotonic() - killed_at, pids
+    finally:
+        if job.poll() is None:
+            job.kill()

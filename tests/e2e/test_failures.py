@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import gradsync
-
-
-def _wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")
+from tests.e2e.conftest import gradsync, kill_rank_when_running
 
 
 def test_sigkilled_rank_ends_the_job_naming_it(workdir: Path) -> None:
@@ -50,17 +38,7 @@ def test_sigkilled_rank_ends_the_job_naming_it(workdir: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
-        metrics = workdir / "run" / "metrics" / "rank1.jsonl"
-        _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, timeout=60)
-        pids = json.loads((workdir / "run" / "ranks-node0.json").read_text())
-        killed_at = time.monotonic()
-        os.kill(pids["1"], signal.SIGKILL)
-        _, stderr = job.communicate(timeout=30)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        if job.poll() is None:
-            job.kill()
+    stderr, elapsed, pids = kill_rank_when_running(job, workdir / "run", "rank1.jsonl", 1)
     assert job.returncode not in (0, None)
     assert elapsed < 30
     assert "rank 1" in stderr and "SIGKILL" in stderr, stderr

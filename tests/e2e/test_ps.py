@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import gradsync, verify_outcomes
+from tests.e2e.conftest import gradsync, kill_rank_when_running, verify_outcomes
 
 ALL_SERVERS = "ps,ps:servers=2,ps:colocate"  # 1 and 2 dedicated servers, colocated
 SYNC_CELLS = {
@@ -122,20 +120,7 @@ def test_killed_server_ends_the_job_naming_it(workdir: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
-        metrics = workdir / "run" / "metrics" / "server3.jsonl"
-        deadline = time.monotonic() + 60
-        while not (metrics.exists() and metrics.stat().st_size > 0):
-            assert time.monotonic() < deadline and job.poll() is None, "the job never started"
-            time.sleep(0.1)
-        pids = json.loads((workdir / "run" / "ranks-node0.json").read_text())
-        killed_at = time.monotonic()
-        os.kill(pids["3"], signal.SIGKILL)
-        _, stderr = job.communicate(timeout=30)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        if job.poll() is None:
-            job.kill()
+    stderr, elapsed, pids = kill_rank_when_running(job, workdir / "run", "server3.jsonl", 3)
     assert job.returncode not in (0, None)
     assert elapsed < 30
     assert "rank 3 (server 1" in stderr and "SIGKILL" in stderr, stderr
