@@ -12,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gradsync.errors import UserError
-from gradsync.models import lstm_lm, mnist_cnn, resnet, transformer, vgg
+from gradsync.models import (
+    inception_v3,
+    lstm_lm,
+    mnist_cnn,
+    resnet,
+    resnet50,
+    sockeye,
+    transformer,
+    vgg,
+    vgg19,
+)
 from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
 from gradsync.models.user import build_user_workload, is_user_model
 
@@ -20,7 +30,17 @@ DEFAULT_MODEL = "transformer"
 
 REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
-    for spec in (transformer.SPEC, lstm_lm.SPEC, resnet.SPEC, vgg.SPEC, mnist_cnn.SPEC)
+    for spec in (
+        transformer.SPEC,
+        lstm_lm.SPEC,
+        resnet.SPEC,
+        vgg.SPEC,
+        mnist_cnn.SPEC,
+        resnet50.SPEC,
+        inception_v3.SPEC,
+        vgg19.SPEC,
+        sockeye.SPEC,
+    )
 }
 
 

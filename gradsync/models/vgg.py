@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -46,8 +47,14 @@ NUM_POOLS = len(CONVS_PER_STAGE_D)
 
 @dataclass(frozen=True, kw_only=True)
 class VGGConfig:
-    """Stage widths of configuration D, classifier width, input size and default batch."""
+    """Convolutions and widths per stage, classifier width, input size and default batch.
 
+    The defaults are configuration D (VGG-16); configuration E (VGG-19) has 2, 2, 4, 4, 4
+    convolutions per stage (``gradsync.models.vgg19``).
+    """
+
+    configuration: str = "D"
+    convs_per_stage: tuple[int, int, int, int, int] = CONVS_PER_STAGE_D
     stage_widths: tuple[int, int, int, int, int] = (64, 128, 256, 512, 512)
     fc_width: int = 4096
     dropout: float = 0.5
@@ -70,7 +77,7 @@ PRESETS: dict[str, VGGConfig] = {
 
 
 class VGG(nn.Module):
-    """VGG configuration D: 13 conv layers in 5 pooled stages, then a 3-layer classifier.
+    """A VGG configuration: conv layers in 5 pooled stages (13 for D), then a 3-layer classifier.
 
     Example:
         >>> import torch
@@ -86,7 +93,7 @@ class VGG(nn.Module):
             raise ValueError(f"image_size must be a multiple of 32 (got {config.image_size})")
         layers: list[nn.Module] = []
         in_channels = 3
-        for width, num_convs in zip(config.stage_widths, CONVS_PER_STAGE_D, strict=True):
+        for width, num_convs in zip(config.stage_widths, config.convs_per_stage, strict=True):
             for _ in range(num_convs):
                 layers += [nn.Conv2d(in_channels, width, kernel_size=3, padding=1), nn.ReLU()]
                 in_channels = width
@@ -114,6 +121,9 @@ class VGG(nn.Module):
         return self.classifier(self.features(images))
 
 
+DatasetFn = Callable[[VGGConfig, BuildRequest], tuple[Dataset, int, str]]
+
+
 def build(request: BuildRequest) -> Workload:
     """VGG-16 of ``request.preset`` with synthetic images or CIFAR-10 from ``request.data``.
 
@@ -121,34 +131,51 @@ def build(request: BuildRequest) -> Workload:
         >>> build(BuildRequest(preset="tiny")).global_batch
         8
     """
-    check_preset(request.preset, NAME)
-    parse_options(None, request.options, NAME)
-    config = PRESETS[request.preset]
+    return build_vgg(request, name=NAME, presets=PRESETS, dataset=_dataset)
+
+
+def build_vgg(
+    request: BuildRequest, *, name: str, presets: Mapping[str, VGGConfig], dataset: DatasetFn
+) -> Workload:
+    """The VGG of ``presets[request.preset]``; ``dataset`` gives (data, classes, description).
+
+    Shared by every VGG configuration of the zoo (``vgg16`` here, ``vgg19``).
+
+    Example:
+        >>> build_vgg(BuildRequest(preset="tiny"), name="vgg16", presets=PRESETS,
+        ...           dataset=_dataset).global_batch
+        8
+    """
+    check_preset(request.preset, name)
+    parse_options(None, request.options, name)
+    config = presets[request.preset]
     if not request.dropout:
         config = dataclasses.replace(config, dropout=0.0)
-    dataset = _dataset(config, request)
+    data, num_classes, data_description = dataset(config, request)
+    config = dataclasses.replace(config, num_classes=num_classes)
     model = VGG(config)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
     return Workload(
         model=model,
-        dataset=dataset,
+        dataset=data,
         loss=F.cross_entropy,
         global_batch=config.global_batch,
         description=(
-            f"{NAME} ({request.preset}): configuration D, widths {config.stage_widths}, "
-            f"fc {config.fc_width}, {config.image_size}x{config.image_size} input, "
-            f"{config.num_classes} classes, {num_parameters:,} parameters, "
-            f"{'CIFAR-10 at ' + request.data if request.data else 'synthetic images'}"
+            f"{name} ({request.preset}): configuration {config.configuration}, widths "
+            f"{config.stage_widths}, fc {config.fc_width}, {config.image_size}x"
+            f"{config.image_size} input, {config.num_classes} classes, {num_parameters:,} "
+            f"parameters, {data_description}"
         ),
     )
 
 
-def _dataset(config: VGGConfig, request: BuildRequest) -> Dataset:
+def _dataset(config: VGGConfig, request: BuildRequest) -> tuple[Dataset, int, str]:
     image_shape = (3, config.image_size, config.image_size)
     if request.data is None:
-        return SyntheticImages(
+        synthetic = SyntheticImages(
             seed=request.seed, num_classes=config.num_classes, image_shape=image_shape
         )
+        return synthetic, config.num_classes, "synthetic images"
     if image_shape != CIFAR_IMAGE_SHAPE or config.num_classes != CIFAR_NUM_CLASSES:
         raise UserError(
             f"{NAME} preset '{request.preset}' takes {config.image_size}x{config.image_size} "
@@ -156,7 +183,8 @@ def _dataset(config: VGGConfig, request: BuildRequest) -> Dataset:
             "classes); use --preset default or tiny with CIFAR-10, or drop --data for synthetic "
             "images"
         )
-    return CIFAR10Images(request.data, seed=request.seed)
+    cifar = CIFAR10Images(request.data, seed=request.seed)
+    return cifar, CIFAR_NUM_CLASSES, f"CIFAR-10 at {request.data}"
 
 
 SPEC = ModelSpec(
