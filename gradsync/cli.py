@@ -48,8 +48,25 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
-def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -> None:
+def _add_model_options(
+    parser: argparse.ArgumentParser, *, default_steps: int, precision: bool = False
+) -> None:
     group = parser.add_argument_group("model and data")
+    if precision:  # verify: the precision every run of the comparison uses
+        group.add_argument(
+            "--precision",
+            choices=["float64", "float32"],
+            default="float64",
+            help="float64 (default): rounding ~1e-12, so the tolerance is an absolute 1e-9; "
+            "float32: the floor measured by rerunning single with other threads",
+        )
+    else:
+        group.add_argument(
+            "--dtype",
+            choices=["float32", "float64"],
+            default="float32",
+            help="parameters, data, gradients, communication and optimizer state",
+        )
     group.add_argument(
         "--model",
         default="transformer",
@@ -87,6 +104,13 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default_steps: int) -
         "--lr-base-batch",
         type=_positive_int,
         help="batch size --lr was tuned for (default: the preset's)",
+    )
+    ddp = parser.add_argument_group("DDP (--strategy ddp)")
+    ddp.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="torch DDP's flag of that name (default: turned on automatically when a "
+        "parameter gets no gradient on some worker in the first step)",
     )
     comm = parser.add_argument_group("allreduce")
     comm.add_argument(
@@ -275,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. ps,ps:servers=2,ps:colocate,ps:async,ps:staleness=2,hybrid:partitions=4",
     )
     verify.add_argument("--workers", type=_int_list, default=[2], help="e.g. 2,4")
-    _add_model_options(verify, default_steps=20)
+    _add_model_options(verify, default_steps=20, precision=True)
     _add_netem_options(verify)
 
     demo = commands.add_parser("demo", help="quick side-by-side comparison of every strategy")
@@ -301,6 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write each cell's Chrome trace (cells/<id>/trace.json)",
     )
+    bench.add_argument(
+        "--launcher",
+        choices=["local", "srun"],
+        default="local",
+        help="srun: each cell is one step of the current Slurm allocation (see gradsync sbatch)",
+    )
+    from gradsync.cluster import add_sbatch_parser
+
+    add_sbatch_parser(commands)
     report = commands.add_parser("report", help="write the Markdown report of a sweep")
     report.add_argument("results", help="results folder of gradsync bench")
     timeline = commands.add_parser("timeline", help="analyse a --timeline trace")
@@ -320,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace, **overrides: object):
     from gradsync.config import (
         AllreduceConfig,
+        DDPConfig,
         HybridConfig,
         LaunchConfig,
         OptimConfig,
@@ -361,9 +395,11 @@ def _config(args: argparse.Namespace, **overrides: object):
         measure_warmup=args.measure_warmup,
         optim=optim,
         launch=launch,
+        dtype=args.precision if hasattr(args, "precision") else args.dtype,
         allreduce=AllreduceConfig(
             fusion_threshold_mb=args.fusion_threshold_mb, fp16_compression=args.fp16_compression
         ),
+        ddp=DDPConfig(find_unused_parameters=args.find_unused_parameters),
         ps=PSConfig(
             servers=args.servers,
             colocate=args.colocate,
@@ -410,9 +446,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gradsync.jobs import run_job, validate
     from gradsync.runtime import run_rank
     from gradsync.strategies import strategy_class
-    from gradsync.topology import detect_environment
+    from gradsync.topology import check_slurm_step, detect_environment
 
     env = detect_environment(master_addr=args.master_addr, master_port=args.master_port)
+    if env is None and args.workers is None:
+        check_slurm_step()  # a batch script's `gradsync train` without srun
     common = dict(
         strategy=args.strategy,
         out=args.out or _timestamped(f"train-{args.strategy}"),
@@ -580,7 +618,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/{experiment.name}")
     cells = experiment.cells()
     print(f"{experiment.name}: {len(cells)} cells, {experiment.steps} steps each; results in {out}")
-    records = run_sweep(experiment, out, show_progress=sys.stdout.isatty(), timeline=args.timeline)
+    records = run_sweep(
+        experiment,
+        out,
+        show_progress=sys.stdout.isatty(),
+        timeline=args.timeline,
+        launcher=args.launcher,
+    )
     failed = sum(r["status"] == "failed" for r in records)
     report = write_report(out)
     print(f"{len(records) - failed} cell(s) ok, {failed} failed; report in {report}")
@@ -608,6 +652,12 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_sbatch(args: argparse.Namespace) -> int:
+    from gradsync.cluster import cmd_sbatch as write_sbatch
+
+    return write_sbatch(args)
+
+
 def cmd_netem(args: argparse.Namespace) -> int:
     from gradsync import netem
 
@@ -633,6 +683,7 @@ COMMANDS.update(
     timeline=cmd_timeline,
     bench=cmd_bench,
     report=cmd_report,
+    sbatch=cmd_sbatch,
 )
 
 

@@ -168,16 +168,11 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
     import torch.distributed as dist
 
     from gradsync.comm.groups import node_local_group
+    from gradsync.rendezvous import join_process_group
 
     threads = config.launch.threads or default_threads(env.local_world_size)
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=config.launch.timeout_s),
-    )
+    join_process_group("gloo", env, timedelta(seconds=config.launch.timeout_s))
     try:
         node = node_local_group(env.node_rank)
         placement: list[Any] = [None] * env.world_size

@@ -14,6 +14,7 @@ Optimizer = Literal["sgd", "adam"]
 LrScaling = Literal["none", "linear", "sqrt"]
 OPTIMIZERS = ("sgd", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
+DTYPES = ("float32", "float64")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3}
 
 
@@ -44,6 +45,15 @@ class AllreduceConfig:
 
     fusion_threshold_mb: float = 64.0
     fp16_compression: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPConfig:
+    """PyTorch DDP (strategy ``ddp``): ``find_unused_parameters`` forces DDP's search for
+    parameters without a gradient (torch's flag of that name). Without it, gradsync turns the
+    flag on by itself when a parameter gets no gradient on some worker in the first step."""
+
+    find_unused_parameters: bool = False
 
 
 PLACEMENTS = ("greedy", "round-robin")
@@ -252,6 +262,7 @@ class TrainConfig:
     data: str | None = None
     out: str = "runs/latest"
     deterministic: bool = False
+    dtype: str = "float32"
     measure_warmup: int | None = None
     checkpoint_every: int = 0
     log_every: int | None = None
@@ -259,6 +270,7 @@ class TrainConfig:
     timeline_steps: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     allreduce: AllreduceConfig = field(default_factory=AllreduceConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     p3: P3Config = field(default_factory=P3Config)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
@@ -282,6 +294,11 @@ class TrainConfig:
                     f"{self.workers}; use a multiple of {self.workers} "
                     f"(e.g. {self.workers * max(1, self.global_batch // self.workers)})"
                 )
+        if self.dtype not in DTYPES:
+            raise UserError(
+                f"unknown --dtype '{self.dtype}'; choose one of: {', '.join(DTYPES)} "
+                "(float64 makes rounding ~1e-12, for exact comparisons)"
+            )
         if self.optim.name not in OPTIMIZERS:
             raise UserError(f"unknown optimizer '{self.optim.name}'; choose one of: sgd, adam")
         if self.optim.lr_scaling not in LR_SCALINGS:
@@ -353,10 +370,11 @@ class TrainConfig:
             **{
                 k: v
                 for k, v in raw.items()
-                if k not in ("optim", "allreduce", "ps", "p3", "hybrid", "launch")
+                if k not in ("optim", "allreduce", "ddp", "ps", "p3", "hybrid", "launch")
             },
             optim=OptimConfig(**raw["optim"]),
             allreduce=AllreduceConfig(**raw["allreduce"]),
+            ddp=DDPConfig(**raw.get("ddp", {})),
             ps=PSConfig(**raw.get("ps", {})),
             p3=P3Config(**raw.get("p3", {})),
             hybrid=HybridConfig(**raw.get("hybrid", {})),

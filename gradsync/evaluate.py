@@ -28,7 +28,8 @@ def validation_accuracy(model: nn.Module, workload: Workload, device: torch.devi
     total = workload.num_validation
     for start in range(0, total, EVAL_BATCH):
         stop = min(total, start + EVAL_BATCH)
-        batch = workload.validation.batch(step=0, size=total, start=start, stop=stop).to(device)
+        batch = workload.validation.batch(step=0, size=total, start=start, stop=stop)
+        batch = batch.to(device, torch.get_default_dtype())
         predictions = model(*batch.inputs, **batch.shared).argmax(dim=-1)
         correct += int((predictions == batch.targets).sum())
     model.train(was_training)

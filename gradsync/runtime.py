@@ -21,14 +21,16 @@ import torch.distributed as dist
 from gradsync.checkpoint import atomic_write_text, save_checkpoint
 from gradsync.comm.batchnorm import convert_batchnorm
 from gradsync.config import TrainConfig
-from gradsync.data.base import mix_seed
+from gradsync.data.base import mix_seed, shard_bounds
 from gradsync.errors import UserError
 from gradsync.evaluate import validation_accuracy
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import build_workload
 from gradsync.models.base import Workload
 from gradsync.optim import Updater, effective_lr
+from gradsync.probe import missing_on_any_worker, params_without_gradient
 from gradsync.progress import StepProgress
+from gradsync.rendezvous import join_process_group
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
 from gradsync.trace import NullTimeline, merge_rank_files, open_timeline
@@ -49,17 +51,15 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
         f"inter-op threads {torch.get_num_interop_threads()}",
         flush=True,
     )
+    # float64 (verify's default) makes every tensor gradsync or the model creates float64:
+    # parameters, data, gradients, messages, server state, BatchNorm statistics.
+    torch.set_default_dtype(getattr(torch, config.dtype))
     device = _device(config, env)
     distributed = env.world_size > 1 or config.strategy != "single"
     if distributed:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=config.launch.timeout_s),
-        )
+        # The ranks check that they belong together (world size, versions) first.
+        join_process_group(backend, env, timedelta(seconds=config.launch.timeout_s))
     try:
         _train_and_record(config, env, device, threads)
     finally:
@@ -108,6 +108,7 @@ def _train_and_record(
     )
     global_batch = config.global_batch or workload.global_batch
     model = workload.model.to(device)
+    missing = _probe_gradients(strategy, workload, global_batch, env.rank, worker_group, device)
     if num_workers > 1 and convert_batchnorm(model, group=worker_group) and env.rank == 0:
         print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
     if env.rank == 0 and (per_epoch := _iterations_per_epoch(workload, global_batch)):
@@ -131,6 +132,7 @@ def _train_and_record(
         make_updater=lambda params: Updater(params, config.optim, lr=lr, timeline=timeline),
         timeline=timeline,
         lr=lr,
+        missing_gradients=missing,
     )
     if env.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -191,6 +193,26 @@ def _train_and_record(
             + f"; results in {out}",
             flush=True,
         )
+
+
+def _probe_gradients(
+    strategy: Strategy,
+    workload: Workload,
+    global_batch: int,
+    worker: int,
+    worker_group: Any,
+    device: torch.device,
+) -> frozenset[str] | None:
+    """For strategies that ask: parameters without a gradient on some worker in step 0
+    (before BatchNorm conversion, so the probe runs no collective but the agreement)."""
+    if not strategy.probes_gradients:
+        return None
+    num_workers = dist.get_world_size(worker_group) if dist.is_initialized() else 1
+    start, stop = shard_bounds(global_batch, num_workers, worker)
+    here = params_without_gradient(
+        workload, workload.model, global_batch=global_batch, start=start, stop=stop, device=device
+    )
+    return frozenset(missing_on_any_worker(workload.model, here, worker_group))
 
 
 def _iterations_per_epoch(workload: Workload, global_batch: int) -> int | None:

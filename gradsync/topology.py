@@ -110,7 +110,34 @@ def _from_slurm(env: Mapping[str, str], addr: str | None, port: int | None) -> R
         master_addr=addr or env.get("MASTER_ADDR") or expand_nodelist(node_list)[0],
         # Every task must agree on the port without talking: derive it from the job id.
         master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT + job_id % 1000),
+        # Nodes may hold different numbers of tasks ("3,2"): the node index is Slurm's.
+        group_rank=node_id if "SLURM_NODEID" in env else None,
     )
+
+
+def check_slurm_step(env: Mapping[str, str] | None = None) -> None:
+    """UserError when this is a Slurm allocation of several tasks but not an ``srun`` step.
+
+    A batch script (or an ``salloc`` shell) has ``SLURM_JOB_ID`` but no ``SLURM_STEP_ID``:
+    ``gradsync train`` there would train alone instead of as one of the job's tasks.
+
+    Example:
+        >>> check_slurm_step({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"})
+        >>> check_slurm_step({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"})
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: this is Slurm job 7 (2 tasks) but not a job step: ...
+    """
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" not in env or "SLURM_STEP_ID" in env:
+        return
+    tasks = _int(env, "SLURM_NTASKS", _int(env, "SLURM_JOB_NUM_NODES", 1))
+    if tasks > 1:
+        raise UserError(
+            f"this is Slurm job {env['SLURM_JOB_ID']} ({tasks} tasks) but not a job step: "
+            "start the ranks with srun (srun gradsync train ...), or pass --workers N to "
+            "start N local processes on this node"
+        )
 
 
 def _from_open_mpi(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from gradsync.data.base import shard_bounds
 from gradsync.metrics import StepRecord
 from gradsync.models.base import Workload
@@ -41,7 +43,7 @@ def train(
         timeline.start_step(step)
         started = time.perf_counter()
         batch = workload.dataset.batch(step=step, size=global_batch, start=start, stop=stop)
-        batch = batch.to(context.device)
+        batch = batch.to(context.device, torch.get_default_dtype())
         with timeline.span(COMPUTE, Phase.FORWARD):
             output = module(*batch.inputs, **batch.shared)
             loss = workload.loss(output, batch.targets)

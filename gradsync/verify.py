@@ -1,6 +1,13 @@
 """``verify`` and ``demo``: every strategy on the same global batches, checked against ``single``.
 
-Tolerances (max |Δ| over every parameter and buffer): synchronous strategies differ from
+Precision: ``verify`` runs in float64 by default (``--precision``): model, data, gradients,
+messages, server and optimizer state. Rounding then stays near 1e-12 after many steps, even
+on chaotic models and across CPUs, so the tolerance is an absolute ``1e-9``
+(:data:`FLOAT64_TOLERANCE`) and any real bug (a skipped or doubled gradient, a stale row)
+shows orders of magnitude above it. The float32 floors below remain for ``--precision
+float32``.
+
+Tolerances in float32 (max |Δ| over every parameter and buffer): synchronous strategies differ from
 ``single`` only by floating-point reduction order (sums of shard gradients instead of one
 sum). With SGD that stays ≤ 1e-5 after 20 steps (measured ≤ 6e-7 on the tiny presets).
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -30,8 +38,8 @@ from typing import Any
 
 from gradsync.checkpoint import Checkpoint, atomic_write_text, load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
-from gradsync.config import HybridConfig, P3Config, PSConfig, TrainConfig
-from gradsync.errors import UserError
+from gradsync.config import DDPConfig, HybridConfig, P3Config, PSConfig, TrainConfig
+from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
 from gradsync.runtime import CHECKPOINT_FILE
@@ -41,6 +49,7 @@ from gradsync.tables import markdown_table, print_table
 from gradsync.topology import default_threads
 
 SGD_TOLERANCE = 1e-5
+FLOAT64_TOLERANCE = 1e-9
 NOISE_FACTOR = 10
 ADAM_NOISE_FRACTION = 0.25
 
@@ -52,7 +61,11 @@ def tolerance_for(config: TrainConfig) -> float:
         >>> from gradsync.config import OptimConfig
         >>> tolerance_for(TrainConfig(steps=20, optim=OptimConfig(name="adam", lr=1e-3)))
         0.005
+        >>> tolerance_for(TrainConfig(dtype="float64"))
+        1e-09
     """
+    if config.dtype == "float64":
+        return FLOAT64_TOLERANCE
     if config.optim.name == "adam":
         return round(ADAM_NOISE_FRACTION * config.optim.base_lr() * config.steps, 12)
     return SGD_TOLERANCE
@@ -79,7 +92,10 @@ class Outcome:
 
     @property
     def failed(self) -> bool:
-        return self.verdict == "FAIL"
+        return self.verdict in ("FAIL", CRASHED)
+
+
+CRASHED = "crashed"
 
 
 def run_matrix(
@@ -92,6 +108,10 @@ def run_matrix(
 ) -> list[Outcome]:
     """Run ``single`` once and each strategy at each worker count; compare parameters.
 
+    A cell whose job fails becomes a ``crashed`` row with its one-line reason; the others
+    still run (if ``single`` itself fails there is nothing to compare with, and it is the
+    only row).
+
     Example:
         >>> # run_matrix(TrainConfig(model="mnist-cnn", preset="tiny", steps=20),
         >>> #            ["ddp", "allreduce"], [2, 4], Path("runs/verify"))
@@ -103,34 +123,111 @@ def run_matrix(
         validate(config)  # every cell is checked before the first one runs
     if log:
         print("running single twice (default threads, then other threads) ...", flush=True)
-    run_job(configs[0])
-    reference = load_checkpoint(Path(configs[0].out) / CHECKPOINT_FILE)
-    spread = reference_spread(configs[0], reference, out)
+    try:
+        run_job(configs[0])
+        reference = load_checkpoint(Path(configs[0].out) / CHECKPOINT_FILE)
+        spread = reference_spread(configs[0], reference, out)
+    except (JobFailed, UserError) as error:
+        return [_crashed(REFERENCE, configs[0], error, tolerance_for(base))]
     tolerance = max(tolerance_for(base), NOISE_FACTOR * spread)
+    if log:
+        print(
+            f"tolerance {tolerance:.1e}: the larger of the {base.dtype} floor "
+            f"{tolerance_for(base):.0e} and {NOISE_FACTOR}× single's drift with other "
+            f"threads ({spread:.1e})",
+            flush=True,
+        )
     outcomes: list[Outcome] = []
     for config in configs:
+        label = labels[config.out]
         if log and config is not configs[0]:
-            print(f"running {labels[config.out]} with {config.workers} worker(s) ...", flush=True)
-        summary = run_job(config) if config is not configs[0] else load_summary(Path(config.out))
-        checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE)
-        diff = worst(diff_checkpoints(reference, checkpoint, include_optimizer=False))
-        verdict, reason = verdict_for(config, diff.max_abs, tolerance)
-        outcomes.append(
-            Outcome(
-                strategy=labels[config.out],
-                workers=config.workers,
-                max_abs=diff.max_abs,
-                max_rel=diff.max_rel,
-                tolerance=tolerance,
-                verdict=verdict,
-                reason=reason,
-                throughput=summary["throughput"],
-                bytes_sent_per_step=summary["bytes_sent_per_step"],
-                final_loss=summary["final_loss"],
-                out=config.out,
+            print(f"running {label} with {config.workers} worker(s) ...", flush=True)
+        try:
+            outcomes.append(
+                _run_cell(config, label, reference, tolerance, first=config is configs[0])
             )
-        )
+        except (JobFailed, UserError) as error:
+            outcomes.append(_crashed(label, config, error, tolerance))
+            if log:
+                print(f"  {label} × {config.workers} crashed: {outcomes[-1].reason}", flush=True)
     return outcomes
+
+
+def _run_cell(
+    config: TrainConfig, label: str, reference: Checkpoint, tolerance: float, *, first: bool
+) -> Outcome:
+    summary = load_summary(Path(config.out)) if first else run_job(config)
+    checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE)
+    diff = worst(diff_checkpoints(reference, checkpoint, include_optimizer=False))
+    verdict, reason = verdict_for(config, diff.max_abs, tolerance)
+    return Outcome(
+        strategy=label,
+        workers=config.workers,
+        max_abs=diff.max_abs,
+        max_rel=diff.max_rel,
+        tolerance=tolerance,
+        verdict=verdict,
+        reason=reason,
+        throughput=summary["throughput"],
+        bytes_sent_per_step=summary["bytes_sent_per_step"],
+        final_loss=summary["final_loss"],
+        out=config.out,
+    )
+
+
+def _crashed(label: str, config: TrainConfig, error: Exception, tolerance: float) -> Outcome:
+    nan = float("nan")
+    return Outcome(
+        strategy=label,
+        workers=config.workers,
+        max_abs=nan,
+        max_rel=nan,
+        tolerance=tolerance,
+        verdict=CRASHED,
+        reason=one_line(error),
+        throughput={},
+        bytes_sent_per_step=nan,
+        final_loss=nan,
+        out=config.out,
+    )
+
+
+def one_line(error: Exception) -> str:
+    """The most telling line of a job's failure: the last line that names an error.
+
+    Example:
+        >>> one_line(JobFailed("rank 1 failed; its last stderr lines:\n  x\n  ValueError: bad"))
+        'ValueError: bad'
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    telling = [line for line in lines if "error" in line.lower()]
+    line = (telling or lines or [type(error).__name__])[-1]
+    return line.removeprefix("gradsync: error: ")[:240]
+
+
+def diagnosis(outcomes: Sequence[Outcome]) -> str | None:
+    """A hint when every failing strategy misses ``single`` by about the same amount.
+
+    Independent strategies that are wrong by the same distance point at what they share:
+    the model or its loss (e.g. a loss that is a sum rather than a mean over samples, or a
+    layer other than BatchNorm that mixes samples), not the synchronization.
+
+    Example:
+        >>> row = lambda s, d: Outcome(s, 2, d, 0.0, 1e-9, "FAIL", "", {}, 0.0, 0.0, "")
+        >>> diagnosis([row("ddp", 1.0e-3), row("ps", 1.2e-3)])[:70]
+        'every failing strategy differs from single by about the same amount (1'
+        >>> diagnosis([row("ddp", 1.0e-3), row("ps", 1.0)]) is None
+        True
+    """
+    failing = [o.max_abs for o in outcomes if o.verdict == "FAIL"]
+    if len(failing) < 2 or max(failing) > 3 * min(failing):
+        return None
+    return (
+        f"every failing strategy differs from single by about the same amount "
+        f"({min(failing):.1e}–{max(failing):.1e}): the likely cause is the model or its loss "
+        "(a loss that is not a mean over the samples, or a layer that mixes samples other "
+        "than BatchNorm), not the strategies"
+    )
 
 
 def reference_spread(reference_config: TrainConfig, reference: Checkpoint, out: Path) -> float:
@@ -162,6 +259,8 @@ def cell_config(base: TrainConfig, spec: str, workers: int, out: Path) -> TrainC
     """
     name, *options = spec.split(":")
     changes: dict[str, Any] = {}
+    if name != "ddp":
+        changes["ddp"] = DDPConfig()  # --find-unused-parameters applies to the ddp cells
     if name != "ps":
         changes["ps"] = PSConfig()  # ps flags given to verify apply to the ps cells only
     if name != "hybrid":
@@ -202,6 +301,12 @@ def _option_value(current: Any, text: str, spec: str) -> Any:
 
 
 def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[str, str]:
+    """The verdict of one cell and its reason.
+
+    Example:
+        >>> verdict_for(TrainConfig(strategy="ddp", workers=2), 5e-10, 1e-9)
+        ('match', 'reduction order only')
+    """
     if config.strategy == REFERENCE:
         return "reference", "the whole global batch in one process"
     strategy = strategy_class(config.strategy)
@@ -222,7 +327,8 @@ def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[
 def deterministic_notice(config: TrainConfig) -> str:
     return (
         f"verify: dropout is disabled so every strategy sees the same computation; "
-        f"{config.steps} steps, seed {config.seed}, optimizer {config.optim.name}"
+        f"{config.steps} steps, seed {config.seed}, optimizer {config.optim.name}, "
+        f"{config.dtype}"
     )
 
 
@@ -250,12 +356,17 @@ def report_verify(outcomes: list[Outcome], out: Path) -> None:
         for o in outcomes
     ]
     print_table("gradsync verify: parameters against single", headers, rows)
-    _write_results(out, "verify", outcomes, markdown_table(headers, rows))
+    markdown = markdown_table(headers, rows)
+    if hint := diagnosis(outcomes):
+        print(f"diagnosis: {hint}")
+        markdown += f"\n\nDiagnosis: {hint}"
+    _write_results(out, "verify", outcomes, markdown)
 
 
 def report_demo(outcomes: list[Outcome], out: Path, title: str) -> None:
     """Print the side-by-side table (throughput and correctness) and write the results folder."""
-    baseline = next((o for o in outcomes if o.strategy == "ddp"), outcomes[0])
+    measured = [o for o in outcomes if o.verdict != CRASHED] or outcomes
+    baseline = next((o for o in measured if o.strategy == "ddp"), measured[0])
     headers = [
         "strategy",
         "workers",
@@ -267,6 +378,10 @@ def report_demo(outcomes: list[Outcome], out: Path, title: str) -> None:
     ]
     rows = []
     for o in outcomes:
+        if o.verdict == CRASHED or baseline.verdict == CRASHED:
+            reason = f"{o.verdict}: {o.reason}"
+            rows.append([o.strategy, str(o.workers), "—", "—", "—", "—", reason])
+            continue
         rate = Throughput(**o.throughput)
         ratio = o.throughput["median"] / baseline.throughput["median"]
         rows.append(
@@ -295,11 +410,16 @@ def _write_results(out: Path, stem: str, outcomes: list[Outcome], markdown: str)
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "outcomes": [asdict(o) for o in outcomes],
+        "outcomes": [_json_safe(asdict(o)) for o in outcomes],
     }
     atomic_write_text(out / f"{stem}.json", json.dumps(payload, indent=2) + "\n")
     atomic_write_text(out / f"{stem}.md", markdown + "\n")
     print(f"results written to {out}/{stem}.json and {out}/{stem}.md")
+
+
+def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN (a crashed cell's figures) as null: JSON has no NaN."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
 
 
 def _bytes(count: float) -> str:

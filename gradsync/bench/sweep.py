@@ -91,9 +91,19 @@ def load_results(out: Path) -> list[dict[str, Any]]:
 
 
 def run_sweep(
-    experiment: Experiment, out: Path, *, show_progress: bool = True, timeline: bool = False
+    experiment: Experiment,
+    out: Path,
+    *,
+    show_progress: bool = True,
+    timeline: bool = False,
+    launcher: str = "local",
 ) -> list[dict]:
-    """Run every cell not yet recorded as ok; return all records."""
+    """Run every cell not yet recorded as ok; return all records.
+
+    ``launcher`` is ``local`` (processes on this machine) or ``srun`` (each cell one step
+    of the current Slurm allocation, see :mod:`gradsync.cluster`).
+    """
+    run = _job_runner(launcher)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(experiment.path, out / "experiment.toml")
     cells = experiment.cells()
@@ -113,15 +123,30 @@ def run_sweep(
             shutil.rmtree(config.out, ignore_errors=True)  # a half-run cell starts afresh
             metrics = Path(config.out) / METRICS_DIR / "rank0.jsonl"
             record = progress.run(
-                cell, lambda c=cell, j=config: run_cell(experiment, c, j), metrics
+                cell, lambda c=cell, j=config: run_cell(experiment, c, j, run=run), metrics
             )
             results.write(json.dumps(record) + "\n")
             results.flush()
     return load_results(out)
 
 
-def run_cell(experiment: Experiment, cell: Cell, config: TrainConfig) -> dict[str, Any]:
-    """Run one cell's job; its record, ``ok`` or ``failed`` with the error."""
+def _job_runner(launcher: str) -> Callable[[TrainConfig], dict[str, Any]]:
+    if launcher == "srun":
+        from gradsync.cluster import check_allocation, srun_job
+
+        check_allocation()  # before the first cell, not once per cell
+        return srun_job
+    return run_job
+
+
+def run_cell(
+    experiment: Experiment,
+    cell: Cell,
+    config: TrainConfig,
+    *,
+    run: Callable[[TrainConfig], dict[str, Any]] = run_job,
+) -> dict[str, Any]:
+    """Run one cell's job (with ``run``); its record, ``ok`` or ``failed`` with the error."""
     record: dict[str, Any] = {
         "id": cell.id,
         **dataclasses.asdict(cell),
@@ -130,7 +155,7 @@ def run_cell(experiment: Experiment, cell: Cell, config: TrainConfig) -> dict[st
     }
     started = time.time()
     try:
-        summary = run_job(config)
+        summary = run(config)
     except (JobFailed, UserError, Exception) as error:  # recorded; the sweep goes on
         return {
             **record,

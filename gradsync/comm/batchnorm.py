@@ -32,9 +32,11 @@ def _combine_moments(local: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]
 
 
 class _GlobalBatchNorm(torch.autograd.Function):
+    """y = x̂·weight + bias over the global batch; ``weight``/``bias`` None when not affine."""
+
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, eps: float, group: Any
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group: Any
     ) -> tuple[Tensor, Tensor, Tensor]:
         dims = [0, *range(2, x.dim())]
         channels = x.shape[1]
@@ -49,10 +51,11 @@ class _GlobalBatchNorm(torch.autograd.Function):
         shape = [1, channels] + [1] * (x.dim() - 2)
         x_hat = (x - mean.view(shape)) * invstd.view(shape)
         ctx.save_for_backward(x_hat, weight, invstd, total.to(x.dtype))
-        ctx.group = group
-        unbiased = (var.double() * total / (total - 1)).to(x.dtype)
+        ctx.group, ctx.affine = group, weight is not None
+        unbiased = (var.double() * total / (total - 1).clamp(min=1)).to(x.dtype)
         ctx.mark_non_differentiable(mean, unbiased)
-        return x_hat * weight.view(shape) + bias.view(shape), mean, unbiased
+        y = x_hat if weight is None else x_hat * weight.view(shape)
+        return (y if bias is None else y + bias.view(shape)), mean, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -68,14 +71,20 @@ class _GlobalBatchNorm(torch.autograd.Function):
         dist.all_reduce(sums, group=ctx.group)
         mean_dy = (sums[:channels] / total).view(shape)
         mean_dy_xhat = (sums[channels:] / total).view(shape)
-        grad_x = (grad_out - mean_dy - x_hat * mean_dy_xhat) * (invstd * weight).view(shape)
+        scale = invstd if weight is None else invstd * weight
+        grad_x = (grad_out - mean_dy - x_hat * mean_dy_xhat) * scale.view(shape)
+        if not ctx.affine:
+            return grad_x, None, None, None, None
         return grad_x, grad_weight, grad_bias, None, None
 
 
 class GlobalBatchNorm(nn.Module):
     """A BatchNorm layer whose statistics span the global batch of all ranks in ``group``.
 
-    Built from an existing BatchNorm layer (parameters and running buffers are shared).
+    Built from an existing BatchNorm layer of any kind (1d/2d/3d, with or without affine
+    parameters or running statistics); parameters and running buffers are shared. Without
+    running statistics, eval mode normalizes with the batch's statistics, as torch does,
+    so those are global too.
 
     Example:
         >>> bn = GlobalBatchNorm(nn.BatchNorm2d(4), group=None)  # needs an initialized group
@@ -83,8 +92,6 @@ class GlobalBatchNorm(nn.Module):
 
     def __init__(self, source: _BatchNorm, group: Any) -> None:
         super().__init__()
-        if not (source.affine and source.track_running_stats):
-            raise ValueError("GlobalBatchNorm supports affine BatchNorm with running stats")
         self.weight = source.weight
         self.bias = source.bias
         self.register_buffer("running_mean", source.running_mean)
@@ -96,13 +103,16 @@ class GlobalBatchNorm(nn.Module):
         self.train(source.training)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.training:
+        tracking = self.running_mean is not None
+        if not self.training and tracking:
             return nn.functional.batch_norm(
                 x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
             )
         y, mean, unbiased_var = _GlobalBatchNorm.apply(
             x, self.weight, self.bias, self.eps, self.group
         )
+        if not (self.training and tracking):
+            return y
         with torch.no_grad():
             self.num_batches_tracked.add_(1)
             momentum = (

@@ -6,6 +6,12 @@ parameter order (the order backward produces gradients), up to a size threshold.
 bucket's last gradient is accumulated, its gradients are copied into the bucket's flat
 buffer (as Horovod's MEMCPY_IN_FUSION_BUFFER) and the allreduce is launched
 asynchronously, overlapping the rest of backward.
+
+Who had a gradient travels with the gradients: each bucket ends with one flag per
+parameter (1 where this rank's gradient exists). After the sum, a parameter whose flag is
+0 on every rank got no gradient anywhere and keeps ``grad = None``, so the optimizer
+skips it exactly as ``single``'s does (no momentum, no weight decay); one with a gradient
+on some ranks only is averaged with zeros from the others, as the global batch gives.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from gradsync.trace import COMPUTE, NullTimeline, Phase
 
 @dataclass
 class Bucket:
-    """Parameters whose gradients travel together in one flat buffer."""
+    """Parameters whose gradients travel together in one flat buffer, followed by one
+    had-a-gradient flag per parameter."""
 
     name: str
     params: list[nn.Parameter]
@@ -40,6 +47,11 @@ class Bucket:
         self.pending = len(self.params)
         self.work = None
         self.queued = False
+
+    @property
+    def flags(self) -> Tensor:
+        """The per-parameter had-a-gradient flags at the end of the buffer."""
+        return self.buffer[self.buffer.numel() - len(self.params) :]
 
 
 def plan_buckets(params: Sequence[nn.Parameter], threshold_bytes: int) -> list[list[int]]:
@@ -112,7 +124,7 @@ class FusedAllreduce:
                 members,
                 [names[i] for i in indices],
                 offsets,
-                torch.zeros(total, dtype=dtype, device=members[0].device),
+                torch.zeros(total + len(members), dtype=dtype, device=members[0].device),
             )
             bucket.reset()
             self.buckets.append(bucket)
@@ -145,16 +157,19 @@ class FusedAllreduce:
 
     def _fill(self, bucket: Bucket) -> None:
         """Copy every gradient of a complete bucket into its fusion buffer (Horovod's
-        MEMCPY_IN_FUSION_BUFFER); a parameter that got no gradient contributes zeros."""
+        MEMCPY_IN_FUSION_BUFFER); a parameter that got no gradient contributes zeros and
+        a 0 flag."""
         with self.timeline.span(
             bucket.name,
             Phase.MEMCPY_IN_FUSION_BUFFER,
             tensor=bucket.name,
             bytes=bucket.buffer.numel() * bucket.buffer.element_size(),
         ):
-            for param, start in zip(bucket.params, bucket.offsets, strict=True):
+            flags = bucket.flags
+            for index, (param, start) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
                 view = bucket.buffer[start : start + param.numel()]
                 grad = param.grad
+                flags[index] = grad is not None
                 if grad is None:
                     view.zero_()
                 else:
@@ -181,7 +196,11 @@ class FusedAllreduce:
 
     def _copy_out(self, bucket: Bucket) -> None:
         bucket.buffer.div_(self.world_size)
-        for param, start in zip(bucket.params, bucket.offsets, strict=True):
+        present = bucket.flags.gt(0).tolist()
+        for param, start, anywhere in zip(bucket.params, bucket.offsets, present, strict=True):
+            if not anywhere:  # no rank had a gradient: the optimizer must skip it
+                param.grad = None
+                continue
             averaged = bucket.buffer[start : start + param.numel()].view_as(param)
             if param.grad is None or param.grad.is_sparse:
                 param.grad = averaged.to(param.dtype, copy=True)

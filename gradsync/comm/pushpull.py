@@ -165,6 +165,9 @@ class Outbox:
 class Client:
     """A worker's end: push gradients to every server, pull their values back.
 
+    ``sizes`` are the values per server (pulls); ``push_sizes`` the push payloads when they
+    carry more (the had-a-gradient flags), default the same.
+
     ``servers`` lists each server's global rank (None for the server in this process, whose
     :class:`Inbox` and :class:`Outbox` are passed as ``local``).
     """
@@ -180,6 +183,7 @@ class Client:
         local: tuple[Inbox, Outbox] | None = None,
         alive: Any = None,
         timeline: NullTimeline | None = None,
+        push_sizes: Sequence[int] | None = None,
     ) -> None:
         self.worker = worker
         self.timeline = timeline or NullTimeline()
@@ -188,7 +192,7 @@ class Client:
         self.timeout_s = timeout_s
         self.local = local
         self.alive = alive or (lambda: True)
-        self.push_buffers = [torch.zeros(HEADER + n) for n in sizes]
+        self.push_buffers = [torch.zeros(HEADER + n) for n in (push_sizes or sizes)]
         self.pull_buffers = [torch.zeros(HEADER + n) for n in sizes]
 
     def push_pull(self, step: int) -> tuple[int, int]:

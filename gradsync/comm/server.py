@@ -20,12 +20,13 @@ concatenation as on the separate tensors, so the server optimizes one flat tenso
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from gradsync.checkpoint import OPTIM, PARAM
 from gradsync.comm.pushpull import DONE, HEADER, PUSH, STATE, Inbox, Message, Outbox
 from gradsync.optim import Updater
 from gradsync.trace import NullTimeline, Phase
@@ -34,23 +35,48 @@ from gradsync.trace import NullTimeline, Phase
 class ShardState:
     """One server's partitions (flat) and the optimizer that updates them.
 
+    ``sizes`` cuts the flat values into slots (the partitions of separate variables); each
+    slot is its own optimizer parameter, a view of the flat tensor, so a slot whose
+    gradient is missing on every worker is skipped exactly as ``single`` skips a parameter
+    whose ``.grad`` is None (no momentum, no weight decay, no Adam step).
+
     Example:
         >>> from gradsync.config import OptimConfig
-        >>> state = ShardState(torch.zeros(3), lambda ps: Updater(ps, OptimConfig(lr=0.5), lr=0.5))
-        >>> state.apply(torch.ones(3), step=0); state.values.tolist()
-        [-0.5, -0.5, -0.5]
+        >>> make = lambda ps: Updater(ps, OptimConfig(lr=0.5), lr=0.5)
+        >>> state = ShardState(torch.zeros(3), make, sizes=[1, 2])
+        >>> state.apply(torch.ones(3), step=0, present=[True, False]); state.values.tolist()
+        [-0.5, 0.0, 0.0]
     """
 
-    def __init__(self, initial: Tensor, make_updater: Callable[[list[nn.Parameter]], Updater]):
-        self.values = nn.Parameter(initial.detach().clone().reshape(-1))
-        self.updater = make_updater([self.values])
+    def __init__(
+        self,
+        initial: Tensor,
+        make_updater: Callable[[list[nn.Parameter]], Updater],
+        sizes: Sequence[int] | None = None,
+    ):
+        self.values = initial.detach().clone().reshape(-1)
+        self.sizes = list(sizes) if sizes is not None else [self.values.numel()]
+        self.slots = [nn.Parameter(view) for view in self.values.split(self.sizes)]
+        self.updater = make_updater(self.slots)
         self.num_updates = 0
 
-    def apply(self, grad: Tensor, step: int) -> None:
-        """One optimizer step with ``grad`` and the learning rate of ``step``."""
-        self.values.grad = grad
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def apply(self, grad: Tensor, step: int, present: Sequence[bool] | None = None) -> None:
+        """One optimizer step with ``grad`` (flat) and the learning rate of ``step``;
+        slots whose ``present`` flag is False had no gradient and are left alone."""
+        present = present if present is not None else [True] * self.num_slots
+        for slot, piece, here in zip(self.slots, grad.split(self.sizes), present, strict=True):
+            slot.grad = piece if here else None
         self.updater.update_at(step)
         self.num_updates += 1
+
+    def apply_push(self, payload: Tensor, step: int) -> None:
+        """Apply a push payload laid out as gradients then one had-a-gradient flag per slot."""
+        grad, flags = payload[: self.values.numel()], payload[self.values.numel() :]
+        self.apply(grad, step, present=flags.gt(0).tolist())
 
     @property
     def lr(self) -> float:
@@ -60,16 +86,59 @@ class ShardState:
         """A pull message: header (step applied, learning rate) and a copy of the values."""
         message = torch.empty(HEADER + self.values.numel())
         message[:HEADER] = torch.tensor([step, self.lr, 0.0])
-        message[HEADER:] = self.values.detach()
+        message[HEADER:] = self.values
         return message
 
     def state_tensors(self) -> dict[str, Tensor]:
-        """``values`` and ``optim/<key>`` (flat like the values, or scalars such as Adam's step)."""
-        tensors = {"values": self.values.detach().clone()}
-        for key, value in self.updater.optimizer.state[self.values].items():
-            if isinstance(value, Tensor):
-                tensors[f"optim/{key}"] = value.detach().clone().contiguous()
+        """``values`` and ``optim/<key>``, flat like the values. A slot without optimizer
+        state (never updated) gives zeros; a scalar state such as Adam's ``step`` is repeated
+        over its slot's elements and named ``optim/<key>@scalar``."""
+        tensors = {"values": self.values.clone()}
+        state = self.updater.optimizer.state
+        keys = sorted(
+            {k for slot in self.slots for k, v in state[slot].items() if isinstance(v, Tensor)}
+        )
+        for key in keys:
+            pieces, scalar = [], False
+            for slot in self.slots:
+                value = state[slot].get(key)
+                if value is None:
+                    pieces.append(torch.zeros(slot.numel(), dtype=self.values.dtype))
+                elif value.dim() == 0:
+                    scalar = True
+                    pieces.append(value.to(self.values.dtype).expand(slot.numel()))
+                else:
+                    pieces.append(value.detach().reshape(-1))
+            tensors[f"optim/{key}{SCALAR if scalar else ''}"] = torch.cat(pieces)
         return tensors
+
+
+SCALAR = "@scalar"
+
+
+def assemble_variable(
+    parts: Sequence[tuple[int, int, dict[str, Tensor]]], shape: torch.Size, name: str
+) -> dict[str, Tensor]:
+    """One variable's checkpoint tensors from its pieces on the servers.
+
+    ``parts`` are (offset, numel, server state) in the variable's element order; the keys are
+    those of :meth:`ShardState.state_tensors`.
+
+    Example:
+        >>> state = {"values": torch.arange(4.0), "optim/step@scalar": torch.full((4,), 3.0)}
+        >>> sorted(assemble_variable([(0, 2, state), (2, 2, state)], torch.Size([2, 2]), "w"))
+        ['optim/w/step', 'param/w']
+    """
+    tensors: dict[str, Tensor] = {}
+    for key in parts[0][2]:
+        flat = torch.cat([state[key][offset : offset + numel] for offset, numel, state in parts])
+        if key == "values":
+            tensors[PARAM + name] = flat.view(shape)
+        elif key.endswith(SCALAR):
+            tensors[OPTIM + name + key[len("optim") : -len(SCALAR)]] = flat[0].clone()
+        else:
+            tensors[OPTIM + name + key[len("optim") :]] = flat.view(shape)
+    return tensors
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +217,7 @@ class SyncRounds:
         with self.timeline.span(
             self.track, Phase.SERVER_APPLY, step=step, tensor=self.track, bytes=nbytes
         ):
-            self.state.apply(total, message.step)
+            self.state.apply_push(total, message.step)
         reply = self.state.snapshot(message.step)
         tally = self.log.tally(message.step)
         for worker in range(self.log.num_workers):
@@ -181,7 +250,7 @@ class BoundedStaleness:
             tensor=self.track,
             worker=message.worker,
         ):
-            self.state.apply(message.payload / self.log.num_workers, message.step)
+            self.state.apply_push(message.payload / self.log.num_workers, message.step)
         self.clocks[message.worker] = message.step + 1
         self.waiting.append((message.worker, message.step))
         self.log.tally(message.step).busy_s += time.perf_counter() - started
@@ -242,4 +311,11 @@ def serve(
     outbox.flush()
 
 
-__all__ = ["BoundedStaleness", "ServerRound", "ShardState", "SyncRounds", "serve"]
+__all__ = [
+    "BoundedStaleness",
+    "ServerRound",
+    "ShardState",
+    "SyncRounds",
+    "assemble_variable",
+    "serve",
+]

@@ -14,8 +14,11 @@ round-robin on the servers. Per step:
   server answers a pull of step t once it has applied step t - 1.
 
 Messages are variable-sized, so each is a fixed-size float64 header
-``[kind, worker, step, lr, n_0 … n_{k-1}]`` (``n_i`` rows for the server's i-th partition)
-followed, when rows are named, by their int64 indices and (pushes) their float32 values.
+``[kind, worker, step, lr, n_0 … n_{k-1}, g_0 … g_{k-1}]`` (``n_i`` rows for the server's
+i-th partition; ``g_i`` = 1 when the pusher's variable had a gradient at all) followed, when
+rows are named, by their int64 indices and (pushes) their values (the run's dtype). A
+variable that had no gradient on any pusher is skipped by the server, as ``single``'s SGD
+skips a parameter whose ``.grad`` is None: its momentum does not move its rows that step.
 Replies go through :class:`gradsync.comm.pushpull.Outbox` (a queue for a colocated worker).
 
 Example:
@@ -54,7 +57,7 @@ from gradsync.trace import Phase
 
 PULL = 3
 TAG_SPARSE = 111
-FIXED_HEADER = 4  # kind, worker, step, lr; then one row count per partition of the server
+FIXED_HEADER = 4  # kind, worker, step, lr; then per partition a row count, then a flag
 
 
 # -- variables, partitions, coalescing -------------------------------------------------------
@@ -231,6 +234,7 @@ class Request:
     indices: list[Tensor]  # per partition of the server, global row ids
     values: list[Tensor] | None
     wire_bytes: int
+    present: list[bool]  # per partition: the pusher's variable had a gradient
 
 
 class SparseShard:
@@ -263,9 +267,13 @@ class SparseShard:
         self.active = [torch.zeros(0, dtype=torch.long) for _ in self.partitions]
         self.num_applied = 0
 
-    def apply(self, grads: Sequence[tuple[Tensor, Tensor]], *, lr: float) -> None:
-        """One SGD step; ``grads[i]`` = (local row indices, rows) of partition i."""
-        for i, (rows, grad) in enumerate(grads):
+    def apply(self, grads: Sequence[tuple[Tensor, Tensor] | None], *, lr: float) -> None:
+        """One SGD step; ``grads[i]`` = (local row indices, rows) of partition i, or None
+        when its variable had no gradient anywhere (then it is left alone, momentum too)."""
+        for i, entry in enumerate(grads):
+            if entry is None:
+                continue
+            rows, grad = entry
             values = self.values[i]
             if not self.momentum:
                 if len(rows):
@@ -297,6 +305,10 @@ class SparseShard:
         return tensors
 
 
+def _counts(header: Tensor, num_partitions: int) -> list[int]:
+    return [int(n) for n in header[FIXED_HEADER : FIXED_HEADER + num_partitions].tolist()]
+
+
 class SparseInbox:
     """Every request addressed to one server, in arrival order (one thread per remote worker)."""
 
@@ -319,9 +331,9 @@ class SparseInbox:
     def _receive(self, rank: int, group: Any) -> None:
         try:
             while True:
-                header = torch.empty(FIXED_HEADER + len(self.partitions), dtype=torch.float64)
+                header = torch.empty(FIXED_HEADER + 2 * len(self.partitions), dtype=torch.float64)
                 dist.recv(header, src=rank, group=group, tag=TAG_SPARSE)
-                kind, counts = int(header[0]), [int(n) for n in header[FIXED_HEADER:].tolist()]
+                kind, counts = int(header[0]), _counts(header, len(self.partitions))
                 wire = header.numel() * 8
                 indices = torch.empty(sum(counts), dtype=torch.long)
                 values = None
@@ -334,7 +346,7 @@ class SparseInbox:
                         )
                         values = torch.empty(width)
                         dist.recv(values, src=rank, group=group, tag=TAG_SPARSE)
-                        wire += values.numel() * 4
+                        wire += values.numel() * values.element_size()
                 self._queue.put(self._decode(header, counts, indices, values, wire))
                 if kind == DONE:
                     return
@@ -354,7 +366,8 @@ class SparseInbox:
                 for v, n, p in zip(torch.split(flat, widths), counts, self.partitions, strict=True)
             ]
         kind, worker, step = (int(x) for x in header[:3].tolist())
-        return Request(kind, worker, step, float(header[3]), index_parts, value_parts, wire)
+        flags = header[FIXED_HEADER + len(counts) :].gt(0).tolist()
+        return Request(kind, worker, step, float(header[3]), index_parts, value_parts, wire, flags)
 
     def put_local(
         self, header: Tensor, counts: list[int], indices: Tensor, values: Tensor | None
@@ -432,6 +445,9 @@ class SparseServer:
         grads = []
         with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, step=step):
             for i, p in enumerate(self.shard.partitions):
+                if not any(self.pending[w].present[i] for w in self.pushers):
+                    grads.append(None)  # no gradient anywhere: single's SGD skips it
+                    continue
                 # Fixed pusher order: bit-identical reruns.
                 parts = [
                     (self.pending[w].indices[i], self.pending[w].values[i]) for w in self.pushers
@@ -490,8 +506,16 @@ class SparseClient:
         self.local = local
         self.alive = alive
 
-    def _header(self, kind: int, step: int, lr: float, counts: Sequence[int]) -> Tensor:
-        return torch.tensor([kind, self.worker, step, lr, *counts], dtype=torch.float64)
+    def _header(
+        self,
+        kind: int,
+        step: int,
+        lr: float,
+        counts: Sequence[int],
+        present: Sequence[bool] | None = None,
+    ) -> Tensor:
+        flags = [float(p) for p in present] if present is not None else [0.0] * len(counts)
+        return torch.tensor([kind, self.worker, step, lr, *counts, *flags], dtype=torch.float64)
 
     def _send(
         self,
@@ -501,13 +525,14 @@ class SparseClient:
         lr: float,
         indices: Sequence[Tensor],
         values: Sequence[Tensor] | None = None,
+        present: Sequence[bool] | None = None,
     ) -> int:
         counts = [len(i) for i in indices]
-        header = self._header(kind, step, lr, counts)
+        header = self._header(kind, step, lr, counts, present)
         flat_indices = torch.cat(list(indices)) if indices else torch.zeros(0, dtype=torch.long)
         flat_values = None
         if values is not None and len(flat_indices):
-            flat_values = torch.cat([v.reshape(-1) for v in values]).float()
+            flat_values = torch.cat([v.reshape(-1) for v in values]).to(torch.get_default_dtype())
         rank = self.servers[server]
         if rank is None:
             assert self.local is not None
@@ -525,14 +550,21 @@ class SparseClient:
             sent += flat_indices.numel() * 8
             if flat_values is not None:
                 dist.send(flat_values.contiguous(), dst=rank, group=self.group, tag=TAG_SPARSE)
-                sent += flat_values.numel() * 4
+                sent += flat_values.numel() * flat_values.element_size()
         return sent
 
-    def push(self, step: int, lr: float, rows: Sequence[Sequence[tuple[Tensor, Tensor]]]) -> int:
-        """Send server s the (indices, values) of each of its partitions; returns wire bytes."""
+    def push(
+        self,
+        step: int,
+        lr: float,
+        rows: Sequence[Sequence[tuple[Tensor, Tensor]]],
+        present: Sequence[Sequence[bool]],
+    ) -> int:
+        """Send server s the (indices, values) of each of its partitions and whether their
+        variables had a gradient (``present[s][i]``); returns wire bytes."""
         return sum(
-            self._send(s, PUSH, step, lr, [i for i, _ in parts], [v for _, v in parts])
-            for s, parts in enumerate(rows)
+            self._send(s, PUSH, step, lr, [i for i, _ in parts], [v for _, v in parts], flags)
+            for s, (parts, flags) in enumerate(zip(rows, present, strict=True))
         )
 
     def pull(self, step: int, wanted: Sequence[Sequence[Tensor]]) -> tuple[list[Tensor], int, int]:
@@ -552,7 +584,7 @@ class SparseClient:
                 works.append(
                     dist.irecv(replies[s], src=self.servers[s], group=self.group, tag=TAG_PULL)
                 )
-                received += width * 4
+                received += width * replies[s].element_size()
         for s in asked:
             sent += self._send(s, PULL, step, 0.0, wanted[s])
         for s in asked:

@@ -60,15 +60,32 @@ class Batch:
     def __len__(self) -> int:
         return int(self.targets.shape[0])
 
-    def to(self, device: torch.device) -> Batch:
-        """The same batch on ``device`` (a no-op on the CPU)."""
-        if device.type == "cpu":
+    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Batch:
+        """The same batch on ``device``, floating-point tensors in ``dtype`` (integer ones
+        such as token ids and labels unchanged); a no-op when nothing changes.
+
+        Example:
+            >>> batch = Batch(inputs=(torch.zeros(2, 3),), targets=torch.zeros(2).long())
+            >>> batch.to(torch.device("cpu"), torch.float64).inputs[0].dtype
+            torch.float64
+        """
+        tensors = [*self.inputs, self.targets, *self.shared.values()]
+        if device.type == "cpu" and all(_in_dtype(t, dtype) for t in tensors):
             return self
+
+        def move(tensor: Tensor) -> Tensor:
+            wanted = dtype if tensor.is_floating_point() else tensor.dtype
+            return tensor.to(device, wanted, non_blocking=True)
+
         return Batch(
-            inputs=tuple(v.to(device, non_blocking=True) for v in self.inputs),
-            targets=self.targets.to(device, non_blocking=True),
-            shared={k: v.to(device, non_blocking=True) for k, v in self.shared.items()},
+            inputs=tuple(move(v) for v in self.inputs),
+            targets=move(self.targets),
+            shared={k: move(v) for k, v in self.shared.items()},
         )
+
+
+def _in_dtype(tensor: Tensor, dtype: torch.dtype) -> bool:
+    return not tensor.is_floating_point() or tensor.dtype == dtype
 
 
 @runtime_checkable

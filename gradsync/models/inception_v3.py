@@ -276,7 +276,13 @@ class ModuleC(nn.Module):
 
 
 class AuxiliaryHead(nn.Module):
-    """Section 4's side head on the 17x17 grid: avg-pool 5x5/3, 1x1, 5x5, fully connected."""
+    """Section 4's side head on the 17x17 grid: avg-pool 5x5/3, 1x1, 5x5, fully connected.
+
+    Example:
+        >>> head = AuxiliaryHead(8, 10, Scale(1 / 32))
+        >>> [tuple(head(torch.zeros(1, 8, size, size)).shape) for size in (17, 3)]
+        [(1, 10), (1, 10)]
+    """
 
     def __init__(self, in_channels: int, num_classes: int, c: Scale) -> None:
         super().__init__()
@@ -284,7 +290,9 @@ class AuxiliaryHead(nn.Module):
         self.classifier = nn.Linear(c(768), num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.convs(F.avg_pool2d(x, 5, stride=3))
+        # 17x17 -> 5x5 as published; the reduced presets' smaller grids average to 5x5 too.
+        pooled = F.avg_pool2d(x, 5, stride=3) if x.shape[-1] >= 17 else F.adaptive_avg_pool2d(x, 5)
+        x = self.convs(pooled)
         return self.classifier(x.mean(dim=(2, 3)))
 
 

@@ -114,9 +114,9 @@ class LogUniformSampler:
         return torch.log1p(1.0 / (ids.double() + 1.0)) / self._log_range
 
     def log_expected_count(self, ids: Tensor, tries: Tensor) -> Tensor:
-        """log(1 - (1 - P(id))**tries), in float64 for small probabilities, as float32."""
+        """log(1 - (1 - P(id))**tries), in float64 for small probabilities, in the default dtype."""
         expected = -torch.expm1(tries.double() * torch.log1p(-self.probability(ids)))
-        return expected.log().float()
+        return expected.log().to(torch.get_default_dtype())
 
     def _draw(self, count: int, rng: torch.Generator) -> Tensor:
         uniform = torch.rand(count, generator=rng, dtype=torch.float64)

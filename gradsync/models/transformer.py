@@ -98,9 +98,9 @@ def sinusoidal_positions(length: int, dim: int) -> Tensor:
         >>> sinusoidal_positions(3, 4)[0].tolist()
         [0.0, 1.0, 0.0, 1.0]
     """
-    positions = torch.arange(length, dtype=torch.float32)[:, None]
+    positions = torch.arange(length, dtype=torch.get_default_dtype())[:, None]
     frequencies = torch.exp(
-        torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim)
+        torch.arange(0, dim, 2, dtype=torch.get_default_dtype()) * (-math.log(10000.0) / dim)
     )
     table = torch.zeros(length, dim)
     table[:, 0::2] = torch.sin(positions * frequencies)

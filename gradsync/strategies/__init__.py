@@ -7,7 +7,7 @@ Example:
 
 from __future__ import annotations
 
-from gradsync.config import HybridConfig, P3Config, PSConfig, TrainConfig
+from gradsync.config import DDPConfig, HybridConfig, P3Config, PSConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.strategies.allreduce import HorovodAllreduce
 from gradsync.strategies.base import Context, Strategy
@@ -68,6 +68,11 @@ def check_strategy(config: TrainConfig) -> None:
         raise UserError(
             f"--slice-size/--no-priority/--no-slicing apply to --strategy p3, not "
             f"'{config.strategy}'; drop them or use --strategy p3"
+        )
+    if config.strategy != "ddp" and config.ddp != DDPConfig():
+        raise UserError(
+            f"--find-unused-parameters applies to --strategy ddp, not '{config.strategy}' "
+            "(the other strategies handle parameters without a gradient themselves); drop it"
         )
     cls.check_config(config)
 

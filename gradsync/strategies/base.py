@@ -35,7 +35,8 @@ class Context:
     ``timeline`` records phases for ``--timeline`` (a no-op when recording is off).
     ``role`` is "worker" or "server" (a dedicated server rank: no model, no data); ``lr``
     is the peak learning rate after batch-size scaling (0.0 on server ranks, which learn
-    it from worker 0).
+    it from worker 0). ``missing_gradients``, for strategies that set ``probes_gradients``:
+    the trainable parameters that got no gradient on some worker in step 0.
     """
 
     config: TrainConfig
@@ -49,6 +50,7 @@ class Context:
     timeline: NullTimeline = field(default_factory=NullTimeline)
     role: str = "worker"
     lr: float = 0.0
+    missing_gradients: frozenset[str] | None = None
 
 
 class Strategy(ABC):
@@ -62,6 +64,7 @@ class Strategy(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     synchronous: ClassVar[bool] = True
+    probes_gradients: ClassVar[bool] = False  # fill Context.missing_gradients before setup
 
     def __init__(self) -> None:
         self.counters = CommStats()

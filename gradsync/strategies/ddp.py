@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.comm.counters import ring_allreduce_bytes
+from gradsync.errors import UserError
 from gradsync.strategies.base import Context, Strategy
 
 
 class NativeDDP(Strategy):
     """DDP with its default buckets (25 MB) and comm hook; nothing replaced.
+
+    ``find_unused_parameters`` is turned on when the step-0 probe finds a parameter without a
+    gradient on some worker (or with ``--find-unused-parameters``); DDP then leaves a
+    parameter unused on every worker with ``grad = None`` and averages one used on some
+    workers with zeros from the others, as ``single`` computes it.
 
     Bytes are counted with the ring model from the gradient size, since DDP's reducer is
     not instrumented (registering a hook would no longer be "untouched").
@@ -18,18 +26,37 @@ class NativeDDP(Strategy):
 
     name = "ddp"
     summary = "torch DistributedDataParallel, untouched (native baseline)"
+    probes_gradients = True
 
     def setup(self, model: nn.Module, context: Context) -> nn.Module:
         self.context, self.model = context, model
         device_ids = [context.device.index] if context.device.type == "cuda" else None
+        find_unused = self._find_unused(context)
         wrapped = DistributedDataParallel(
-            model, device_ids=device_ids, process_group=context.worker_group
+            model,
+            device_ids=device_ids,
+            process_group=context.worker_group,
+            find_unused_parameters=find_unused,
         )
         self.updater = context.make_updater(model.parameters())
         self._grad_bytes = sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
-        return wrapped
+        return wrapped if find_unused else _UnusedParameterHint(wrapped)
+
+    @staticmethod
+    def _find_unused(context: Context) -> bool:
+        if context.config.ddp.find_unused_parameters:
+            return True
+        missing = sorted(context.missing_gradients or ())
+        if missing and context.rank == 0:
+            shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+            print(
+                f"[rank 0] ddp: find_unused_parameters=True ({len(missing)} parameter(s) got "
+                f"no gradient on some worker in step 0: {shown})",
+                flush=True,
+            )
+        return bool(missing)
 
     def step(self) -> None:
         assert self.updater is not None and self.context is not None
@@ -38,3 +65,24 @@ class NativeDDP(Strategy):
         self.counters.bytes_sent += moved
         self.counters.bytes_recv += moved
         self.updater.update()
+
+
+class _UnusedParameterHint(nn.Module):
+    """DDP without ``find_unused_parameters``: its error on a parameter that got no gradient
+    after step 0 (a data-dependent branch) becomes one line naming gradsync's flag."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        super().__init__()
+        self.ddp = ddp
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.ddp(*args, **kwargs)
+        except RuntimeError as error:
+            if "find_unused_parameters" not in str(error):
+                raise
+            raise UserError(
+                "ddp: a parameter got no gradient on some worker after step 0 (step 0 used "
+                "them all, so gradsync left find_unused_parameters off); rerun with "
+                "--find-unused-parameters"
+            ) from None

@@ -87,11 +87,14 @@ def classify(model: nn.Module, options: HybridConfig) -> dict[str, str]:
         'dense'
     """
     lookups = _embedding_weights(model)
+    tied = tied_names(model)
     result = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        sparse = name in lookups and lookups[name].sparse
+        # A tied lookup table is also read whole (e.g. as the output projection): pulling
+        # only the rows a lookup reads would leave that reader with stale rows.
+        sparse = name in lookups and lookups[name].sparse and name not in tied
         if any(_matches(name, p) for p in options.sparse_patterns):
             if name not in lookups:
                 raise UserError(
@@ -106,6 +109,21 @@ def classify(model: nn.Module, options: HybridConfig) -> dict[str, str]:
     return result
 
 
+def tied_names(model: nn.Module) -> set[str]:
+    """Names (as ``named_parameters`` gives them) of parameters registered more than once.
+
+    Example:
+        >>> emb, out = nn.Embedding(5, 3, sparse=True), nn.Linear(3, 5, bias=False)
+        >>> out.weight = emb.weight
+        >>> sorted(tied_names(nn.ModuleDict({"emb": emb, "out": out})))
+        ['emb.weight']
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return {names[0] for names in names_of.values() if len(names) > 1}
+
+
 def _embedding_weights(model: nn.Module) -> dict[str, nn.Module]:
     return {
         (f"{prefix}.weight" if prefix else "weight"): module
@@ -116,10 +134,13 @@ def _embedding_weights(model: nn.Module) -> dict[str, nn.Module]:
 
 def describe_classification(model: nn.Module, kinds: dict[str, str]) -> str:
     params = dict(model.named_parameters())
+    lookups, tied = _embedding_weights(model), tied_names(model)
     lines = []
     for name, kind in kinds.items():
         shape = "×".join(map(str, params[name].shape))
         path = "servers (rows pushed/pulled)" if kind == "sparse" else "allreduce"
+        if kind == "dense" and name in tied and getattr(lookups.get(name), "sparse", False):
+            path += " (a sparse lookup table tied to another layer, read whole: dense path)"
         lines.append(f"  {name} [{shape}]: {kind} → {path}")
     return "\n".join(lines)
 
@@ -443,29 +464,42 @@ class Hybrid(Strategy):
             stats.bytes_recv += received
             stats.exposed_comm_s += seconds
 
-    def _local_rows(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """This worker's coalesced (indices, rows) per sparse variable."""
-        rows = {}
+    def _local_rows(self) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, bool]]:
+        """This worker's coalesced (indices, rows) per sparse variable, and whether each
+        had a gradient at all (an unused lookup table has none: single skips it)."""
+        rows, present = {}, {}
         for name in self.sparse_names:
             param = self.params[name]
+            if param.grad is not None and not param.grad.is_sparse:
+                raise RuntimeError(
+                    f"hybrid: sparse variable '{name}' received a dense gradient, so the model "
+                    "reads it outside its nn.Embedding lookup (e.g. as a tied output layer); "
+                    f"pulled rows would be stale there. Add --dense-pattern '{name}'"
+                )
+            present[name] = param.grad is not None
             indices, values = coalesce_rows(param.grad, param.shape[0])
-            rows[name] = (indices, values.reshape(len(indices), -1).to(torch.float32))
+            rows[name] = (indices, values.reshape(len(indices), -1).to(torch.get_default_dtype()))
             param.grad = None
-        return rows
+        return rows, present
 
     def _aggregate_on_node(
-        self, rows: dict[str, tuple[Tensor, Tensor]]
-    ) -> dict[str, tuple[Tensor, Tensor]] | None:
-        """Local aggregation: the node's workers' rows, summed, on its first worker."""
+        self, rows: dict[str, tuple[Tensor, Tensor]], present: dict[str, bool]
+    ) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, bool]] | None:
+        """Local aggregation: the node's workers' rows, summed, on its first worker (and
+        whether any of them had a gradient per variable)."""
         node = self.node
         if node is None or len(node.ranks) == 1:
-            return rows
+            return rows, present
         started = time.perf_counter()
         names = self.sparse_names
-        counts = torch.tensor([len(rows[n][0]) for n in names], dtype=torch.long)
+        counts = torch.tensor(
+            [len(rows[n][0]) for n in names] + [int(present[n]) for n in names], dtype=torch.long
+        )
         all_counts = [torch.zeros_like(counts) for _ in node.ranks]
         dist.all_gather(all_counts, counts, group=node.group)
         widths = [self.params[n][0].numel() for n in names]
+        anywhere = {n: any(int(c[len(names) + i]) for c in all_counts) for i, n in enumerate(names)}
+        all_counts = [c[: len(names)] for c in all_counts]
         max_idx = max(int(c.sum()) for c in all_counts)
         max_val = max(sum(int(k) * w for k, w in zip(c, widths, strict=True)) for c in all_counts)
         idx = torch.zeros(max_idx, dtype=torch.long)
@@ -478,7 +512,9 @@ class Hybrid(Strategy):
         all_val = [torch.empty_like(val) for _ in node.ranks]
         dist.all_gather(all_idx, idx, group=node.group)
         dist.all_gather(all_val, val, group=node.group)
-        moved = (len(node.ranks) - 1) * (idx.numel() * 8 + val.numel() * 4 + counts.numel() * 8)
+        moved = (len(node.ranks) - 1) * (
+            idx.numel() * 8 + val.numel() * val.element_size() + counts.numel() * 8
+        )
         self._count(moved, moved, time.perf_counter() - started)
         if self.context.rank != self.pushers_on_node():
             return None
@@ -494,7 +530,7 @@ class Hybrid(Strategy):
                 v_off += k * w
         for n in names:  # node members in rank order: the same sum on every run
             merged[n] = sum_rows(per_member[n], self.params[n].shape[0])
-        return merged
+        return merged, anywhere
 
     def pushers_on_node(self) -> int:
         assert self.node is not None
@@ -506,16 +542,19 @@ class Hybrid(Strategy):
         self.fused.finish()
         self.updater.update()
         if self.sparse_names:
-            rows = self._local_rows()
+            rows, present = self._local_rows()
             if not self._connected:
                 self._connect({n: r[0] for n, r in rows.items()})
-            self._push(rows, lr)
+            self._push(rows, present, lr)
         self._step += 1
 
-    def _push(self, rows: dict[str, tuple[Tensor, Tensor]], lr: float) -> None:
-        aggregated = self._aggregate_on_node(rows)
-        if aggregated is None:  # not the node's pusher: its rows went into the node's sum
+    def _push(
+        self, rows: dict[str, tuple[Tensor, Tensor]], present: dict[str, bool], lr: float
+    ) -> None:
+        on_node = self._aggregate_on_node(rows, present)
+        if on_node is None:  # not the node's pusher: its rows went into the node's sum
             return
+        aggregated, anywhere = on_node
         started = time.perf_counter()
         per_server: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(self.num_servers)]
         pieces: dict[RowPartition, tuple[Tensor, Tensor | None]] = {}
@@ -527,8 +566,9 @@ class Hybrid(Strategy):
                 indices, values = pieces[p]
                 assert values is not None
                 per_server[s].append((indices, values))
+        flags = [[anywhere[p.name] for p in parts] for parts in self.on_server]
         with self.context.timeline.span("sparse-push", Phase.PUSH, step=self._step):
-            sent = self.client.push(self._step, lr, per_server)
+            sent = self.client.push(self._step, lr, per_server, flags)
         self._count(sent, 0, time.perf_counter() - started)
 
     def stats(self) -> CommStats:

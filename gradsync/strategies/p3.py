@@ -47,12 +47,12 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor, nn
 
-from gradsync.checkpoint import BUFFER, OPTIM, PARAM
+from gradsync.checkpoint import BUFFER, PARAM
 from gradsync.comm.counters import CommStats
 from gradsync.comm.layer_order import LayerOrder, Layers
 from gradsync.comm.priority import PrioritySender, SendRecord
 from gradsync.comm.pushpull import TransportError
-from gradsync.comm.server import ShardState
+from gradsync.comm.server import ShardState, assemble_variable
 from gradsync.comm.slicing import Slice, slice_variables
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
@@ -62,7 +62,7 @@ from gradsync.strategies.base import Context, Strategy
 from gradsync.trace import COMPUTE, Phase
 
 HEADER = 7  # kind, worker, step, slice, priority, length, lr
-PUSH, STATE, DONE = 0, 1, 2  # worker → server
+PUSH, STATE, DONE, NO_GRADIENT = 0, 1, 2, 3  # worker → server
 SLICE, STATE_REPLY, FIN = 0, 1, 2  # server → worker
 TAG_PUSH, TAG_PULL = 111, 112
 LAST = 2**40  # priority of control messages: after every slice
@@ -88,6 +88,23 @@ def _wait_all(works: list[Any], _keep_alive: Any) -> None:
 
 def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _average(contributions: dict[int, Tensor | None], workers: int) -> Tensor | None:
+    """The workers' mean gradient, in fixed worker order (bit-identical reruns); a worker
+    without a gradient adds zeros; None when no worker had one.
+
+    Example:
+        >>> _average({0: torch.ones(2), 1: None}, 2).tolist()
+        [0.5, 0.5]
+    """
+    present = [contributions[w] for w in range(workers) if contributions[w] is not None]
+    if not present:
+        return None
+    total = present[0].clone()
+    for grad in present[1:]:
+        total += grad
+    return total / workers
 
 
 class PriorityPropagation(Strategy):
@@ -207,7 +224,7 @@ class PriorityPropagation(Strategy):
                 dist.recv(header, src=worker, group=self.push_group, tag=TAG_PUSH)
                 kind, _, step, index, priority, length, _ = _decode(header)
                 payload = None
-                if kind == PUSH:
+                if kind == PUSH:  # NO_GRADIENT: a slice of a parameter without a gradient
                     payload = torch.empty(length)
                     dist.recv(payload, src=worker, group=self.push_group, tag=TAG_PUSH)
                 inbox.put((kind, worker, step, index, priority, payload))
@@ -246,7 +263,7 @@ class PriorityPropagation(Strategy):
                 self.replies.put((worker, header, data), LAST)
                 continue
             counts = tally.setdefault(step, [0.0, 0.0, 0.0])
-            counts[0] += _nbytes(payload) + HEADER * 8
+            counts[0] += (0 if payload is None else _nbytes(payload)) + HEADER * 8
             contributions = pending.setdefault(index, {})
             if worker in contributions:
                 raise RuntimeError(f"worker {worker} pushed slice {index} of step {step} twice")
@@ -256,15 +273,14 @@ class PriorityPropagation(Strategy):
             started = time.perf_counter()
             del pending[index]
             state = self.states[index]
-            args = dict(step=step, slice=index, priority=priority, bytes=_nbytes(payload))
+            args = dict(step=step, slice=index, priority=priority, bytes=_nbytes(state.values))
             with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, **args):
-                # Fixed worker order: the sum is the same on every run (bit-identical reruns).
-                total = contributions[0].clone()
-                for w in range(1, workers):
-                    total += contributions[w]
-                total /= workers
+                total = _average(contributions, workers)
             with self.timeline.span(self.track, Phase.SERVER_APPLY, **args):
-                state.apply(total, step)
+                # No gradient on any worker: skipped, as single's optimizer skips it.
+                state.apply(
+                    state.values if total is None else total, step, present=[total is not None]
+                )
             values = state.values.detach().clone()
             for w in range(workers):
                 header = _header(SLICE, w, step, index, priority, values.numel(), state.lr)
@@ -383,7 +399,8 @@ class PriorityPropagation(Strategy):
         param.grad = None  # the queued slices hold the gradient; the next one starts afresh
         self._enqueue(name, flat)
 
-    def _enqueue(self, name: str, flat_grad: Tensor) -> None:
+    def _enqueue(self, name: str, flat_grad: Tensor | None) -> None:
+        """Queue ``name``'s slices; None tells the servers it has no gradient this step."""
         if self.layers is None:
             self._finish_layer_order()
         self._raise_if_failed()
@@ -402,9 +419,14 @@ class PriorityPropagation(Strategy):
             dist.send(header, dst=self.server_ranks[server], group=self.push_group, tag=TAG_PUSH)
             return
         s, step, layer, flat_grad = item
+        dst = self.server_ranks[s.server]
+        if flat_grad is None:  # no gradient: a header alone, the server expects every slice
+            header = _header(NO_GRADIENT, self.worker, step, s.index, layer, 0)
+            dist.send(header, dst=dst, group=self.push_group, tag=TAG_PUSH)
+            self._bytes_sent += HEADER * 8
+            return None
         payload = flat_grad[s.start : s.stop]
         header = _header(PUSH, self.worker, step, s.index, layer, s.numel)
-        dst = self.server_ranks[s.server]
         track = f"p3 push {record.seq % SEND_WINDOW}"  # one track per slice in flight
         self.timeline.begin(
             track,
@@ -513,11 +535,11 @@ class PriorityPropagation(Strategy):
         self._exposed_s += time.perf_counter() - started
 
     def step(self) -> None:
-        """After backward: push zeros for parameters without a gradient; on the last step,
-        wait for every slice (the checkpoint and the caller see the final parameters)."""
-        for name, param in self.params.items():
+        """After backward: tell the servers which parameters had no gradient; on the last
+        step, wait for every slice (the checkpoint and the caller see the final parameters)."""
+        for name in self.params:
             if name not in self._pushed:  # unused this step: the servers still expect it
-                self._enqueue(name, torch.zeros(param.numel(), dtype=param.dtype))
+                self._enqueue(name, None)
         self._pushed.clear()
         self._step += 1
         if self._step == self.context.config.steps:
@@ -551,13 +573,8 @@ class PriorityPropagation(Strategy):
             if name not in self.slices_of:  # frozen: never sliced, the worker's copy is the truth
                 tensors[PARAM + name] = param.detach().clone()
                 continue
-            parts = [states[s.index] for s in self.slices_of[name]]  # in start order
-            for key, first in parts[0].items():
-                label = PARAM + name if key == "values" else OPTIM + name + key[len("optim") :]
-                if first.dim() == 0:  # a scalar such as Adam's step: equal on every slice
-                    tensors[label] = first.clone()
-                    continue
-                tensors[label] = torch.cat([part[key] for part in parts]).view(param.shape)
+            parts = [(0, s.numel, states[s.index]) for s in self.slices_of[name]]  # start order
+            tensors.update(assemble_variable(parts, param.shape, name))
         for name, buffer in self.model.named_buffers():
             tensors[BUFFER + name] = buffer.detach().clone()
         return {k: v.cpu().contiguous() for k, v in tensors.items()}

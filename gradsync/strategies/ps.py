@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradsync.checkpoint import BUFFER, OPTIM, PARAM
+from gradsync.checkpoint import BUFFER, PARAM
 from gradsync.comm.placement import Placement, Variable, plan_placement
 from gradsync.comm.pushpull import HEADER, Client, Inbox, Outbox
-from gradsync.comm.server import ServerRound, ShardState, serve
+from gradsync.comm.server import ServerRound, ShardState, assemble_variable, serve
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.metrics import MetricsWriter, ServerRecord
@@ -138,11 +138,15 @@ class ParameterServer(Strategy):
         initial = torch.cat(
             [spec["initial"][s.name].reshape(-1)[s.start : s.stop] for s in self.slots[server]]
         )
-        state = ShardState(initial, lambda ps: Updater(ps, config.optim, lr=spec["lr"]))
+        state = ShardState(
+            initial,
+            lambda ps: Updater(ps, config.optim, lr=spec["lr"]),
+            sizes=[slot.numel for slot in self.slots[server]],
+        )
         remote = {w: w for w in range(workers) if w != local_worker}
         timeout = config.launch.timeout_s
         inbox = Inbox(
-            size=initial.numel(),
+            size=push_size(self.slots[server]),
             remote=remote,
             local_worker=local_worker,
             group=self.group,
@@ -203,7 +207,10 @@ class ParameterServer(Strategy):
         self.params = dict(model.named_parameters())
         with torch.no_grad():
             for name, value in spec["initial"].items():
-                self.params[name].copy_(value)
+                param = self.params[name]
+                if not param.is_contiguous():
+                    param.data = param.data.contiguous()  # pulls write flat views
+                param.copy_(value)
         local = None
         self._server_thread: threading.Thread | None = None
         if context.config.ps.colocate:
@@ -222,6 +229,7 @@ class ParameterServer(Strategy):
         self.client = Client(
             worker=context.worker_index,
             sizes=[state_size(slots) for slots in self.slots],
+            push_sizes=[push_size(slots) for slots in self.slots],
             servers=[None if local and r == context.rank else r for r in self.server_ranks],
             group=self.group,
             timeout_s=context.config.launch.timeout_s,
@@ -248,12 +256,14 @@ class ParameterServer(Strategy):
         grads: dict[str, Tensor] = {}
         for server, slots in enumerate(self.slots):
             payload = self.client.push_buffers[server][HEADER:]
-            for slot in slots:
+            flags = payload[state_size(slots) :]  # one had-a-gradient flag per slot
+            for index, slot in enumerate(slots):
                 if slot.name not in grads:
                     grads[slot.name] = _dense_grad(self.params[slot.name])
                 payload[slot.offset : slot.offset + slot.numel].copy_(
                     grads[slot.name][slot.start : slot.stop]
                 )
+                flags[index] = self.params[slot.name].grad is not None
         # Sync point: every server has answered with the values for the next forward.
         with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="push/pull"):
             sent, received = self.client.push_pull(self._step)
@@ -291,13 +301,8 @@ class ParameterServer(Strategy):
                 tensors[PARAM + name] = param.detach().clone()
                 continue
             parts = sorted(pieces[name], key=lambda piece: piece[0].start)
-            for key, first in parts[0][1].items():
-                label = PARAM + name if key == "values" else OPTIM + name + key[len("optim") :]
-                if first.dim() == 0:  # a scalar such as Adam's step: equal on every server
-                    tensors[label] = first.clone()  # one tensor per name (safetensors)
-                    continue
-                flat = [state[key][slot.offset : slot.offset + slot.numel] for slot, state in parts]
-                tensors[label] = torch.cat(flat).view(param.shape)
+            where = [(slot.offset, slot.numel, state) for slot, state in parts]
+            tensors.update(assemble_variable(where, param.shape, name))
         for name, buffer in self.model.named_buffers():
             tensors[BUFFER + name] = buffer.detach().clone()
         return {k: v.cpu().contiguous() for k, v in tensors.items()}
@@ -336,6 +341,11 @@ def _slots(partitions: list[Any]) -> list[_Slot]:
 
 def state_size(slots: list[_Slot]) -> int:
     return sum(s.numel for s in slots)
+
+
+def push_size(slots: list[_Slot]) -> int:
+    """A push carries the slots' gradients, then one had-a-gradient flag per slot."""
+    return state_size(slots) + len(slots)
 
 
 def _dense_grad(param: nn.Parameter) -> Tensor:

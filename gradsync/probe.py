@@ -1,0 +1,57 @@
+"""Which parameters get a gradient: one forward and backward of step 0, on a copy.
+
+DDP must know before its first step whether some parameter will get no gradient on some
+worker (its ``find_unused_parameters``); a data-dependent branch, a never-used layer or a
+gated expert all cause that. The probe runs this worker's shard of step 0 through a deep
+copy of the model, with the random number generators restored afterwards, so training
+itself is unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.models.base import Workload
+
+
+def params_without_gradient(
+    workload: Workload,
+    model: nn.Module,
+    *,
+    global_batch: int,
+    start: int,
+    stop: int,
+    device: torch.device,
+) -> set[str]:
+    """Names of trainable parameters that get no gradient from samples ``start:stop`` of
+    step 0 (``model`` is not touched).
+
+    Example:
+        >>> from gradsync.models import build_workload
+        >>> workload = build_workload("mnist-cnn", preset="tiny")
+        >>> params_without_gradient(workload, workload.model, global_batch=8, start=0, stop=4,
+        ...                         device=torch.device("cpu"))
+        set()
+    """
+    probe = copy.deepcopy(model)
+    probe.train()
+    with torch.random.fork_rng(devices=[]):
+        batch = workload.dataset.batch(step=0, size=global_batch, start=start, stop=stop)
+        batch = batch.to(device, torch.get_default_dtype())
+        workload.loss(probe(*batch.inputs, **batch.shared), batch.targets).backward()
+    return {n for n, p in probe.named_parameters() if p.requires_grad and p.grad is None}
+
+
+def missing_on_any_worker(
+    model: nn.Module, missing_here: set[str], group: object | None
+) -> set[str]:
+    """The union over the workers of ``group`` of their ``missing_here`` (collective)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    flags = torch.tensor([float(n in missing_here) for n in names], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return {n for n, flag in zip(names, flags.tolist(), strict=True) if flag}

@@ -1,0 +1,111 @@
+"""Adversarial test models: the parameter patterns users bring on day one.
+
+``build_dense`` (SGD with momentum and weight decay welcome):
+
+- an embedding tied to the output layer (one parameter, two readers);
+- a gated branch used only by samples whose gate feature is high, so in one step some
+  workers use it and others do not (and some steps nobody does);
+- a never-used parameter, a frozen layer, a 0-dim scale, a non-contiguous weight;
+- BatchNorm without affine parameters, and BatchNorm without running statistics on a
+  3-d ``(N, C, L)`` input.
+
+``build_sparse`` (sparse gradients, so no weight decay: torch's SGD refuses it there):
+
+- a sparse lookup table, a sparse table read only by gated samples, a sparse table never
+  read, and a sparse table tied to the output layer (read whole, so not a lookup).
+
+Both are ordinary user models (``--model tests/models/adversarial.py:build_dense``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+VOCAB = 12
+DIM = 8
+FEATURES = 4
+GATE = 0.75  # samples whose gate feature exceeds it take the gated branch (~25%)
+
+
+def _dataset(seed: int, samples: int = 512) -> TensorDataset:
+    """Column 0: a token id (as a float), column 1: the gate, the rest: features."""
+    rng = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (samples, 1), generator=rng).to(torch.get_default_dtype())
+    rest = torch.rand(samples, FEATURES, generator=rng, dtype=torch.get_default_dtype())
+    targets = torch.randint(0, VOCAB, (samples,), generator=rng)
+    return TensorDataset(torch.cat([ids, rest], dim=1), targets)
+
+
+def _gated(h: Tensor, gate: Tensor, branch: nn.Module, *inputs: Tensor) -> Tensor:
+    """``h`` plus ``branch`` on the gated samples only; the branch is not run (so its
+    parameters get no gradient) when no sample of this shard is gated."""
+    if not gate.any():
+        return h
+    extra = torch.zeros_like(h)
+    extra[gate] = branch(*(x[gate] for x in inputs))
+    return h + extra
+
+
+class DenseAdversary(nn.Module):
+    """Tied, gated, unused, frozen, 0-dim, non-contiguous parameters and odd BatchNorms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.features = nn.Linear(FEATURES, DIM)
+        self.norm_plain = nn.BatchNorm1d(DIM, affine=False)
+        self.norm_batch_only = nn.BatchNorm1d(DIM // 2, track_running_stats=False)
+        self.mix = nn.Parameter(torch.randn(DIM, DIM).t())  # non-contiguous
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim
+        self.gated = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM).requires_grad_(False)
+        self.never_used = nn.Parameter(torch.randn(3))
+        self.out = nn.Linear(DIM, VOCAB)
+        self.out.weight = self.embed.weight  # tied
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, gate = x[:, 0].long(), x[:, 1] > GATE
+        h = self.embed(ids) + self.features(x[:, 1:])
+        h = self.norm_plain(h)
+        n = h.shape[0]
+        h = self.norm_batch_only(h.view(n, DIM // 2, 2)).view(n, DIM)
+        h = torch.tanh(F.linear(h, self.mix)) * self.scale
+        h = _gated(h, gate, self.gated, h)
+        return self.out(self.frozen(h))
+
+
+class SparseAdversary(nn.Module):
+    """Sparse lookup tables: plain, gated, never read, and tied to the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookup = nn.Embedding(VOCAB, DIM, sparse=True)
+        self.rare = nn.Embedding(VOCAB, DIM, sparse=True)
+        self.never_read = nn.Embedding(VOCAB, DIM, sparse=True)
+        self.tied = nn.Embedding(VOCAB, DIM, sparse=True)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, VOCAB)
+        self.out.weight = self.tied.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, gate = x[:, 0].long(), x[:, 1] > GATE
+        h = self.lookup(ids) + self.tied((ids + 1) % VOCAB)
+        h = _gated(h, gate, self.rare, ids)
+        return self.out(torch.tanh(self.hidden(h)))
+
+
+def _build(model: nn.Module, seed: int) -> tuple[nn.Module, TensorDataset, object]:
+    return model, _dataset(seed), F.cross_entropy
+
+
+def build_dense(seed: int = 0) -> tuple[nn.Module, TensorDataset, object]:
+    """The dense adversary, its data and loss."""
+    return _build(DenseAdversary(), seed)
+
+
+def build_sparse(seed: int = 0) -> tuple[nn.Module, TensorDataset, object]:
+    """The sparse adversary, its data and loss."""
+    return _build(SparseAdversary(), seed)
