@@ -139,7 +139,7 @@ def sbatch_script(
     lines = [
         "#!/bin/bash",
         f"# gradsync bench {experiment.name} on Slurm, written by gradsync sbatch.",
-        f"# Submit: sbatch {results / SCRIPT_NAME}; then: gradsync report {results}",
+        f"# Results in {results}; the sweep writes its report there (gradsync report rewrites it).",
         f"#SBATCH --job-name=gradsync-{experiment.name}",
         *shape.header(),
         f"#SBATCH --chdir={workdir.resolve()}",
@@ -162,9 +162,13 @@ def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
     )
     sbatch.add_argument("experiment", help="TOML experiment file, e.g. experiments/NAME.toml")
     sbatch.add_argument("--out", help="results folder (default: results/<experiment name>)")
-    sbatch.add_argument("--tasks-per-node", type=int, default=1, help="ranks per node (default 1)")
     sbatch.add_argument(
-        "--cpus-per-task", type=int, help="CPUs per rank (default: the largest threads, or 1)"
+        "--tasks-per-node", type=_positive_int, default=1, help="ranks per node (default 1)"
+    )
+    sbatch.add_argument(
+        "--cpus-per-task",
+        type=_positive_int,
+        help="CPUs per rank (default: the experiment's largest threads, or 1)",
     )
     sbatch.add_argument("--time", help="time limit [D-]HH:MM:SS (default: an estimate)")
     sbatch.add_argument(

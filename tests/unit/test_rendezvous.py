@@ -1,0 +1,114 @@
+"""The ranks' meeting before the process group: one clear line when they do not belong together.
+
+The ranks are threads of this process around a real TCP store on loopback.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+
+from gradsync import rendezvous
+from gradsync.errors import UserError
+from gradsync.launch import free_port
+from gradsync.rendezvous import RankInfo, check_resolves, disagreement
+from gradsync.topology import RankEnv
+
+TIMEOUT = timedelta(seconds=20)
+
+
+def _env(rank: int, world_size: int, port: int) -> RankEnv:
+    return RankEnv(
+        launcher="torchrun",
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        local_world_size=world_size,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
+
+
+def _meet(infos: list[RankInfo], timeout: timedelta = TIMEOUT) -> list[str]:
+    """Run :func:`rendezvous` for every info on its own thread; 'ok' or each error's text."""
+    port = free_port()
+    outcomes = [""] * len(infos)
+
+    def rank(index: int, info: RankInfo) -> None:
+        try:
+            rendezvous.rendezvous(_env(info.rank, info.world_size, port), timeout, info=info)
+            outcomes[index] = "ok"
+        except UserError as error:
+            outcomes[index] = str(error)
+
+    threads = [threading.Thread(target=rank, args=item) for item in enumerate(infos)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=2 * timeout.total_seconds())
+    return outcomes
+
+
+def _info(rank: int, world_size: int = 2, *, host: str = "", version: str = "0.1.0") -> RankInfo:
+    return RankInfo(rank=rank, world_size=world_size, host=host or f"n{rank}", gradsync=version)
+
+
+def test_ranks_that_agree_meet() -> None:
+    assert _meet([_info(0, 3), _info(1, 3), _info(2, 3)]) == ["ok", "ok", "ok"]
+
+
+def test_world_size_disagreement_is_one_line_on_every_rank() -> None:
+    outcomes = _meet([_info(0, 2), _info(1, 3)])
+    expected = "rank 0 on n0 was started with 2 ranks, rank 1 on n1 with 3"
+    assert all(expected in text and "\n" not in text for text in outcomes), outcomes
+
+
+def test_a_rank_beyond_rank_0s_world_is_told() -> None:
+    outcomes = _meet([_info(0, 2), _info(1, 2), _info(2, 3)])
+    assert outcomes[:2] == ["ok", "ok"]
+    assert "rank 0 on n0 was started with 2 ranks, rank 2 on n2 with 3" in outcomes[2]
+
+
+def test_a_node_with_another_gradsync_is_named() -> None:
+    outcomes = _meet([_info(0), _info(1, host="node-b", version="0.2.0")])
+    expected = "node node-b (rank 1) runs gradsync 0.2.0 but rank 0 on n0 runs gradsync 0.1.0"
+    assert all(text.startswith(expected) for text in outcomes), outcomes
+
+
+def test_missing_ranks_are_named() -> None:
+    (outcome,) = _meet([_info(0, 3)], timeout=timedelta(seconds=1))
+    assert outcome.startswith("rank(s) 1, 2 of 3 did not reach the rendezvous within 1 s")
+
+
+def test_disagreement_prefers_the_world_size_and_names_torch() -> None:
+    base = _info(0)
+    assert disagreement([base, _info(1)]) is None
+    other_torch = RankInfo(rank=1, world_size=2, host="n1", torch="1.0")
+    assert "runs torch 1.0" in (disagreement([base, other_torch]) or "")
+    both = RankInfo(rank=1, world_size=4, host="n1", gradsync="9")
+    assert (disagreement([base, both]) or "").startswith("ranks disagree on the world size")
+
+
+def test_unresolvable_master_address_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_such_name(host: str, port: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rendezvous.socket, "getaddrinfo", no_such_name)
+    with pytest.raises(UserError) as caught:
+        check_resolves("node-7")
+    text = str(caught.value)
+    assert text.startswith("master address 'node-7' does not resolve on ")
+    assert "(Name or service not known); pass --master-addr" in text
+
+
+def test_unresolvable_master_address_stops_the_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rendezvous, "check_resolves", _refuse)
+    with pytest.raises(UserError, match="refused"):
+        rendezvous.rendezvous(_env(0, 2, free_port()), TIMEOUT)
+
+
+def _refuse(master_addr: str) -> None:
+    raise UserError("refused")
