@@ -66,7 +66,7 @@ def test_readme_sbatch_script_runs_and_matches_single(
     result = run(["sbatch", "--wait", "job.sbatch"], cwd=tmp_path, env=slurm.env())
     logs = "".join(p.read_text() for p in tmp_path.glob("*.out"))
     assert result.returncode == 0, result.stdout + result.stderr + logs + slurm.logs()
-    (run_dir,) = [p.parent for p in tmp_path.glob("*/checkpoint.safetensors")]
+    (run_dir,) = [p.parent for p in tmp_path.rglob("checkpoint.safetensors")]
     distance = distance_to_single(single, run_dir)
     report_distance(request.config, "sbatch (README script)", distance)
     assert distance <= TOLERANCE
