@@ -55,3 +55,18 @@ def missing_on_any_worker(
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return {n for n, flag in zip(names, flags.tolist(), strict=True) if flag}
+
+
+def sparse_lookup_weights(model: nn.Module) -> set[str]:
+    """Names of the weights of ``nn.Embedding``/``nn.EmbeddingBag`` layers with sparse
+    gradients (``sparse=True``).
+
+    Example:
+        >>> sparse_lookup_weights(nn.Sequential(nn.Embedding(4, 2, sparse=True), nn.Linear(2, 1)))
+        {'0.weight'}
+    """
+    return {
+        f"{prefix}.weight" if prefix else "weight"
+        for prefix, module in model.named_modules()
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse
+    }

@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print an aligned table to stdout."""
-    table = Table(title=title)
+    """Print an aligned table to stdout (cells are text, never rich markup)."""
+    table = Table(title=escape(title))
     for header in headers:
-        table.add_column(header)
+        table.add_column(escape(header))
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(escape(cell) for cell in row))
     Console(width=max(120, Console().width)).print(table)
 
 

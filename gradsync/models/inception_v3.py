@@ -280,8 +280,8 @@ class AuxiliaryHead(nn.Module):
 
     Example:
         >>> head = AuxiliaryHead(8, 10, Scale(1 / 32))
-        >>> [tuple(head(torch.zeros(1, 8, size, size)).shape) for size in (17, 3)]
-        [(1, 10), (1, 10)]
+        >>> [tuple(head(torch.zeros(2, 8, size, size)).shape) for size in (17, 3)]
+        [(2, 10), (2, 10)]
     """
 
     def __init__(self, in_channels: int, num_classes: int, c: Scale) -> None:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.comm.counters import ring_allreduce_bytes
+from gradsync.config import TrainConfig
+from gradsync.data.base import shard_bounds
 from gradsync.errors import UserError
+from gradsync.probe import params_without_gradient, sparse_lookup_weights
 from gradsync.strategies.base import Context, Strategy
 
 
@@ -27,6 +31,43 @@ class NativeDDP(Strategy):
     name = "ddp"
     summary = "torch DistributedDataParallel, untouched (native baseline)"
     probes_gradients = True
+
+    @classmethod
+    def check_config(cls, config: TrainConfig) -> None:
+        """Refuse, before launch, a sparse-gradient parameter that some worker leaves without
+        a gradient in step 0: torch's DDP reducer cannot reduce it ("Expected sparse
+        gradient to be defined")."""
+        from gradsync.models import build_workload
+
+        workload = build_workload(
+            config.model,
+            preset=config.preset,
+            seed=config.seed,
+            data=config.data,
+            dropout=False,
+            options=config.model_options,
+        )
+        sparse = sparse_lookup_weights(workload.model)
+        if not sparse or config.workers == 1:
+            return
+        global_batch = config.global_batch or workload.global_batch
+        missing: set[str] = set()
+        for worker in range(config.workers):
+            start, stop = shard_bounds(global_batch, config.workers, worker)
+            missing |= params_without_gradient(
+                workload,
+                workload.model,
+                global_batch=global_batch,
+                start=start,
+                stop=stop,
+                device=torch.device("cpu"),
+            )
+        if stranded := sorted(missing & sparse):
+            raise UserError(
+                f"ddp: torch's DDP cannot reduce a sparse gradient that some worker does not "
+                f"have, and {', '.join(stranded)} get none on some worker in step 0; use "
+                "--strategy allreduce or hybrid, or build the embedding with sparse=False"
+            )
 
     def setup(self, model: nn.Module, context: Context) -> nn.Module:
         self.context, self.model = context, model

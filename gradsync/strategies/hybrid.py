@@ -478,7 +478,8 @@ class Hybrid(Strategy):
                 )
             present[name] = param.grad is not None
             indices, values = coalesce_rows(param.grad, param.shape[0])
-            rows[name] = (indices, values.reshape(len(indices), -1).to(torch.get_default_dtype()))
+            values = values.reshape(len(indices), param[0].numel())
+            rows[name] = (indices, values.to(torch.get_default_dtype()))
             param.grad = None
         return rows, present
 
