@@ -10,30 +10,43 @@ from torch import Tensor, nn
 
 from gradsync.data.base import Batch
 from gradsync.errors import UserError
-from gradsync.models import lstm_lm, mnist_cnn, resnet, transformer, vgg
+from gradsync.models import (
+    REGISTRY,
+    inception_v3,
+    lstm_lm,
+    mnist_cnn,
+    resnet,
+    resnet50,
+    sockeye,
+    transformer,
+    vgg,
+    vgg19,
+)
 from gradsync.models.base import PRESETS, BuildRequest, ModelSpec, Workload
 
-SPECS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (transformer.SPEC, lstm_lm.SPEC, resnet.SPEC, vgg.SPEC, mnist_cnn.SPEC)
-}
+SPECS: dict[str, ModelSpec] = dict(REGISTRY)
 PRESET_TABLES = {
     "transformer": transformer.PRESETS,
     "lstm-lm": lstm_lm.PRESETS,
     "resnet56": resnet.PRESETS,
     "vgg16": vgg.PRESETS,
     "mnist-cnn": mnist_cnn.PRESETS,
+    "resnet50": resnet50.PRESETS,
+    "inception-v3": inception_v3.PRESETS,
+    "vgg19": vgg19.PRESETS,
+    "sockeye": sockeye.PRESETS,
 }
+WITH_BATCHNORM = {"resnet56", "resnet50", "inception-v3"}
+WITHOUT_DROPOUT = {"resnet56", "resnet50"}  # the papers' ResNets have none
 SAMPLED = {"sampled_softmax": "6", "sparse": "true"}
-# (model, options): every model, plus the lstm-lm output/embedding variants.
+# (model, options): every registered model, plus its output/embedding/head variants.
 VARIANTS = [
-    ("transformer", {}),
-    ("lstm-lm", {}),
+    *((name, {}) for name in REGISTRY),
     ("lstm-lm", {"sparse": "true"}),
     ("lstm-lm", SAMPLED),
-    ("resnet56", {}),
-    ("vgg16", {}),
-    ("mnist-cnn", {}),
+    ("inception-v3", {"aux": "true"}),
+    ("sockeye", {"sparse": "true"}),
+    ("sockeye", {"tied": "true"}),
 ]
 VARIANT_IDS = [name + "".join(f"-{key}" for key in options) for name, options in VARIANTS]
 
@@ -77,7 +90,7 @@ def test_tiny_model_trains_one_step_with_finite_loss(name: str, options: dict[st
     workload = build_tiny(name, options)
     assert workload.global_batch == 8
     num_parameters = sum(parameter.numel() for parameter in workload.model.parameters())
-    assert num_parameters < 10_000, "tiny presets stay a few thousand parameters"
+    assert num_parameters < 20_000, "tiny presets stay a few thousand parameters"
     loss = loss_of(workload, full_batch(workload))
     assert loss.dim() == 0
     assert torch.isfinite(loss)
@@ -94,6 +107,11 @@ TRAINING = {
     "resnet56": (lambda params: torch.optim.SGD(params, lr=0.3), 60),
     "vgg16": (lambda params: torch.optim.Adam(params, lr=0.003), 100),
     "mnist-cnn": (lambda params: torch.optim.SGD(params, lr=0.1), 60),
+    "resnet50": (lambda params: torch.optim.SGD(params, lr=0.1), 30),
+    "inception-v3": (lambda params: torch.optim.SGD(params, lr=0.1), 30),
+    "vgg19": (lambda params: torch.optim.Adam(params, lr=0.003), 100),
+    # Adagrad takes sparse gradients (sparse=true) and moves the small RNN faster than SGD.
+    "sockeye": (lambda params: torch.optim.Adagrad(params, lr=0.1), 60),
 }
 
 
@@ -149,7 +167,7 @@ def test_mean_of_equal_shard_gradients_is_the_global_batch_gradient(
 ) -> None:
     workload = build_tiny(name, options, dropout=False)
     model = workload.model
-    if name == "resnet56":
+    if name in WITH_BATCHNORM:
         # Training-mode BatchNorm normalizes with each shard's own statistics (the strategies
         # make them global across ranks); with running statistics the property must hold.
         model.eval()
@@ -183,7 +201,7 @@ def test_dropout_false_sets_every_dropout_rate_to_zero(name: str, options: dict[
         for rate in dropout_probabilities(build_tiny(name, options, dropout=False).model)
     )
     with_dropout = dropout_probabilities(build_tiny(name, options, dropout=True).model)
-    if name != "resnet56":  # the paper's ResNet has no dropout
+    if name not in WITHOUT_DROPOUT:
         assert max(with_dropout) > 0.0
 
 
@@ -342,11 +360,15 @@ def test_resnet_uses_plain_batchnorm_and_option_a_shortcuts() -> None:
     assert resnet.PRESETS["paper"].depth == 56
 
 
-def test_only_resnet_has_batchnorm() -> None:
+def test_only_the_batchnorm_models_have_batchnorm() -> None:
     for name in SPECS:
         model = build_tiny(name).model
         has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-        assert has_batchnorm == (name == "resnet56"), name
+        assert has_batchnorm == (name in WITH_BATCHNORM), name
+
+
+def test_every_registered_model_has_a_preset_table() -> None:
+    assert set(PRESET_TABLES) == set(REGISTRY)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
