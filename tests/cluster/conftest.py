@@ -51,7 +51,11 @@ def run(
 def _say(config: pytest.Config, line: str) -> None:
     """A line on the terminal now, whatever the verbosity or capturing."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        print(line)
+        return
+    with capture.global_and_fixture_disabled():
         reporter.write_line(line)
 
 
@@ -69,9 +73,9 @@ def packages(request: pytest.FixtureRequest) -> None:
         pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm(packages: None) -> Iterator[SlurmCluster]:
-    """A running one-node Slurm cluster (torn down at the end of the session)."""
+    """A running one-node Slurm cluster, torn down after the module's tests."""
     with SlurmCluster.start() as cluster:
         yield cluster
 

@@ -34,6 +34,7 @@ PACKAGES = {  # Debian package → commands it provides that the tests run
 NODE_CPUS = 8  # more than this machine has: slurmd takes the configured count (overrides)
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
+ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED")
 
 
 def missing_packages() -> list[str]:
@@ -166,6 +167,33 @@ class SlurmCluster:
         return subprocess.run(
             argv, env=self.env(), capture_output=True, text=True, timeout=timeout, check=False
         )
+
+    def sbatch(self, *args: str, cwd: Path, timeout: float = 300) -> int:
+        """Submit a batch job, wait until it ends, return its exit code.
+
+        (``sbatch --wait`` polls every 2, 8, 32 … seconds; this polls every 0.2 s.)
+        """
+        submitted = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            cwd=cwd,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        job_id = submitted.stdout.strip().split(";")[0]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fields = dict(
+                item.split("=", 1)
+                for item in self.run("scontrol", "-o", "show", "job", job_id).stdout.split()
+                if "=" in item
+            )
+            if fields.get("JobState") not in (None, *ACTIVE_STATES):
+                return int(fields["ExitCode"].split(":")[0])
+            time.sleep(0.2)
+        raise TimeoutError(f"batch job {job_id} did not end within {timeout:.0f} s")
 
     def logs(self) -> str:
         """The daemons' log tails, for a failing test's message."""

