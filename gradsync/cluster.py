@@ -154,6 +154,8 @@ def sbatch_script(
 
 def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
     """The ``gradsync sbatch`` subcommand's options."""
+    from gradsync.cli import _positive_int  # the CLI's own check, one line on bad input
+
     sbatch = commands.add_parser(
         "sbatch",
         help="write a Slurm job script running an experiment file's sweep on a cluster",
@@ -182,12 +184,6 @@ def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
         "--print-sbatch", action="store_true", help="print the script instead of writing it"
     )
     sbatch.add_argument("--submit", action="store_true", help="also submit it with sbatch")
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:

@@ -71,7 +71,7 @@ def test_print_sbatch_writes_nothing(scaling: Path, tmp_path: Path, monkeypatch,
     ("argv", "message"),
     [
         (["--time", "soon"], "--time 'soon' is not a time limit"),
-        (["--tasks-per-node", "0"], "argument --tasks-per-node: '0' is not a positive integer"),
+        (["--tasks-per-node", "0"], "argument --tasks-per-node: 0 is not a positive integer"),
     ],
 )
 def test_bad_sbatch_options_are_one_line(scaling: Path, capsys, argv, message) -> None:
