@@ -51,6 +51,10 @@ KEYS: dict[str, str] = {
     "repeats": "repeats of every cell (positive integer)",
     "seed": "seed (integer)",
     "verify": "compare every cell with a single-process reference (true/false)",
+    "published_gain": (
+        "a paper's throughput gain of one strategy over another, to set beside the measured "
+        "one: table with strategy, baseline, source and MODEL = gain (0.25 = +25%)"
+    ),
 }
 
 
@@ -110,6 +114,19 @@ class Cell:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PublishedGain:
+    """A paper's gain of ``strategy`` over ``baseline`` per model (0.25 = 25% more samples/s).
+
+    Models the paper reports without a quotable figure may be left out of ``gains``.
+    """
+
+    strategy: str
+    baseline: str
+    source: str
+    gains: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Experiment:
     """A parsed, validated experiment file."""
 
@@ -138,6 +155,7 @@ class Experiment:
     repeats: int = 1
     seed: int = 0
     verify: bool = False
+    published_gain: PublishedGain | None = None
 
     def cells(self) -> list[Cell]:
         """The matrix, reference cells first (so correctness is known as early as possible)."""
@@ -260,6 +278,8 @@ def load_experiment(path: str | Path) -> Experiment:
         values["verify"] = raw["verify"]
     if "model_options" in raw:
         values["model_options"] = _model_options(raw["model_options"], where)
+    if "published_gain" in raw:
+        values["published_gain"] = _published_gain(raw["published_gain"], where)
     if "batch_per_worker" in values and "global_batch" in values:
         raise UserError(f"{where}: give global_batch or batch_per_worker, not both")
     experiment = Experiment(**values)
@@ -296,6 +316,25 @@ def _model_options(value: Any, where: str) -> dict[str, dict[str, str]]:
     }
 
 
+def _published_gain(value: Any, where: str) -> PublishedGain:
+    """``[published_gain]`` with strategy, baseline, source and ``MODEL = gain`` numbers."""
+    example = '[published_gain] strategy = "p3", baseline = "ps", source = "paper", resnet50 = 0.25'
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: published_gain must be a table, e.g. {example}")
+    names = {key: value.get(key) for key in ("strategy", "baseline", "source")}
+    if not all(isinstance(text, str) and text for text in names.values()):
+        raise UserError(
+            f"{where}: published_gain needs strategy, baseline and source strings, e.g. {example}"
+        )
+    gains = {key: gain for key, gain in value.items() if key not in names}
+    for model, gain in gains.items():
+        if not isinstance(gain, int | float) or isinstance(gain, bool):
+            raise UserError(
+                f"{where}: published_gain.{model} must be a number (0.25 = +25%), got {gain!r}"
+            )
+    return PublishedGain(**names, gains={model: float(gain) for model, gain in gains.items()})
+
+
 def _check_names(experiment: Experiment, where: str) -> None:
     for strategy in experiment.strategies:
         if strategy not in STRATEGIES:
@@ -317,6 +356,20 @@ def _check_names(experiment: Experiment, where: str) -> None:
             check_model(model, experiment.preset, experiment.model_options.get(model))
         except UserError as error:
             raise UserError(f"{where}: {error}") from None
+    published = experiment.published_gain
+    if published is not None:
+        for strategy in (published.strategy, published.baseline):
+            if strategy not in experiment.strategies:
+                raise UserError(
+                    f"{where}: published_gain compares '{strategy}', which is not in strategies "
+                    f"({', '.join(experiment.strategies)})"
+                )
+        for model in published.gains:
+            if model not in experiment.models:
+                raise UserError(
+                    f"{where}: published_gain for '{model}', which is not in models "
+                    f"({', '.join(experiment.models)})"
+                )
     for model in experiment.model_options:
         if model not in experiment.models:
             raise UserError(

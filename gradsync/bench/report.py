@@ -9,11 +9,12 @@ step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
 from gradsync.bench.analysis import Row, analyse
-from gradsync.bench.experiment import load_experiment
+from gradsync.bench.experiment import PublishedGain, load_experiment
 from gradsync.bench.sweep import load_results
 from gradsync.checkpoint import atomic_write_text
 from gradsync.errors import UserError
@@ -71,6 +72,10 @@ def write_report(out: Path) -> Path:
         lines += [reading(mine) + _cores_caveat(mine, records), ""]
         for kind, path in _plots(out, model, mine, experiment.strategies).items():
             lines += [f"![{kind}]({path.relative_to(out)})", ""]
+    if experiment.published_gain is not None and rows:
+        lines += gain_section(experiment.published_gain, rows)
+        plot = _gain_plot(out, experiment.published_gain, rows)
+        lines += [f"![measured vs published gain]({plot.relative_to(out)})", ""]
     failed = [r for r in records if r["status"] == "failed"]
     if failed:
         lines += ["## Failed cells", ""]
@@ -211,6 +216,102 @@ def reading(rows: list[Row]) -> str:
             "noisy; rerun them with more steps or repeats before relying on them."
         )
     return " ".join(sentences) or "Only one strategy per setting: nothing to compare."
+
+
+def measured_gains(published: PublishedGain, rows: list[Row]) -> list[tuple[Row, Row]]:
+    """Pairs (baseline row, strategy row) measured in the same setting, in table order.
+
+    Example:
+        >>> measured_gains(PublishedGain(strategy="p3", baseline="ps", source="x"), [])
+        []
+    """
+    by_cell = {row.cell: row for row in rows}
+    pairs = []
+    for row in rows:
+        if row.cell.strategy != published.strategy:
+            continue
+        base = by_cell.get(dataclasses.replace(row.cell, strategy=published.baseline))
+        if base is not None:
+            pairs.append((base, row))
+    return pairs
+
+
+def gain_section(published: PublishedGain, rows: list[Row]) -> list[str]:
+    """Markdown: the measured gain per model and link beside the published one."""
+    strategy, baseline = published.strategy, published.baseline
+    table = []
+    for base, row in measured_gains(published, rows):
+        gain = row.median / base.median - 1
+        overlap = " (ranges overlap)" if row.low <= base.high and base.low <= row.high else ""
+        paper = published.gains.get(row.cell.model)
+        table.append(
+            [
+                row.cell.model,
+                row.cell.bandwidth or "loopback",
+                str(row.cell.workers),
+                f"{base.median:,.1f} ({base.low:,.1f}–{base.high:,.1f})",
+                f"{row.median:,.1f} ({row.low:,.1f}–{row.high:,.1f})",
+                f"{gain:+.0%}{overlap}",
+                "-" if paper is None else f"{paper:+.0%}",
+            ]
+        )
+    headers = [
+        "model",
+        "link",
+        "workers",
+        f"{baseline} samples/s",
+        f"{strategy} samples/s",
+        f"measured {strategy}/{baseline} gain",
+        "published gain",
+    ]
+    return [
+        f"## `{strategy}` over `{baseline}`: measured beside {published.source}",
+        "",
+        markdown_table(headers, table) if table else "No setting has both strategies.",
+        "",
+        f"Gain = {strategy}'s samples/s / {baseline}'s - 1, medians over repeats (ranges: "
+        "min–max over repeats). The published figures are the paper's best case on its own "
+        "cluster; '-' where it gives no single figure for the model.",
+        "",
+    ]
+
+
+def _gain_plot(out: Path, published: PublishedGain, rows: list[Row]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = measured_gains(published, rows)
+    models = list(dict.fromkeys(row.cell.model for _, row in pairs))
+    links = sorted({row.cell.bandwidth or "loopback" for _, row in pairs}, key=_rate_order)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / (len(links) + 1)
+    for index, link in enumerate(links):
+        gains = {
+            row.cell.model: 100 * (row.median / base.median - 1)
+            for base, row in pairs
+            if (row.cell.bandwidth or "loopback") == link
+        }
+        xs = [i + index * width for i, model in enumerate(models) if model in gains]
+        ax.bar(xs, [gains[m] for m in models if m in gains], width, label=f"measured, {link}")
+    paper = [(i, 100 * published.gains[m]) for i, m in enumerate(models) if m in published.gains]
+    if paper:
+        ax.bar(
+            [i + len(links) * width for i, _ in paper],
+            [gain for _, gain in paper],
+            width,
+            color="grey",
+            label="published",
+        )
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks([i + len(links) * width / 2 for i in range(len(models))], models)
+    ax.set_ylabel(f"{published.strategy} over {published.baseline} (% samples/s)")
+    ax.set_title(f"{published.strategy} over {published.baseline}: measured vs published")
+    ax.legend(fontsize=8)
+    directory = out / PLOTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    return _save(fig, directory / "gain-vs-published.png", plt)
 
 
 def _label(row: Row) -> str:
