@@ -17,7 +17,8 @@ import pytest
 
 from tests.e2e.conftest import gradsync, kill_rank_when_running, verify_outcomes
 
-ALL_SERVERS = "ps,ps:servers=2,ps:colocate"  # 1 and 2 dedicated servers, colocated
+# 1 dedicated server and colocated servers are in the equivalence matrix (test_equivalence)
+ALL_SERVERS = "ps:servers=2,ps:colocate"
 SYNC_CELLS = {
     # model: (extra options, verify --strategies, --workers, --steps)
     "transformer": ([], ALL_SERVERS, "2,4", "10"),

@@ -27,7 +27,7 @@ from torch.utils.data import TensorDataset
 VOCAB = 12
 DIM = 8
 FEATURES = 4
-GATE = 0.75  # samples whose gate feature exceeds it take the gated branch (~25%)
+GATE = 0.9  # samples whose gate feature exceeds it take the gated branch (~10%)
 
 
 def _dataset(seed: int, samples: int = 512) -> TensorDataset:
