@@ -517,7 +517,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from gradsync.checkpoint import load_checkpoint
-    from gradsync.compare import diff_checkpoints
+    from gradsync.compare import diff_checkpoints, setting_differences
     from gradsync.tables import print_table
 
     if len(args.checkpoints) < 2:
@@ -537,10 +537,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ]
         beyond += sum(not d.within(args.tolerance) for d in diffs)
         print_table(
-            f"{other.path} vs {reference.path} (tolerance: max abs ≤ {args.tolerance:g})",
+            f"reference {reference.path}, compared {other.path} "
+            f"(tolerance: max abs ≤ {args.tolerance:g})",
             ["tensor", "max abs diff", "max rel diff", "verdict"],
             rows,
         )
+        for note in setting_differences(reference, other):
+            print(f"note: the runs differ in {note}")
     print(f"{beyond} tensor(s) beyond tolerance" if beyond else "all tensors within tolerance")
     return EXIT_DIFFERS if beyond else EXIT_OK
 

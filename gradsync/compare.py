@@ -73,6 +73,38 @@ def diff_checkpoints(
     return diffs
 
 
+RUN_SETTINGS = ("step", "deterministic", "dtype", "optimizer", "lr", "seed", "global_batch")
+
+
+def setting_differences(reference: Checkpoint, other: Checkpoint) -> list[str]:
+    """What makes two runs different computations besides their strategy: the settings
+    recorded in their checkpoints, tensor dtypes and optimizer-state keys.
+
+    Example:
+        >>> w = torch.zeros(1)
+        >>> a = Checkpoint(path="a", tensors={"param/w": w}, meta={"step": 6})
+        >>> b = Checkpoint(path="b", tensors={"param/w": w.double()}, meta={"step": 12})
+        >>> setting_differences(a, b)
+        ['step: 6 vs 12', 'tensor dtype: torch.float32 vs torch.float64']
+    """
+    notes = [
+        f"{key}: {reference.meta.get(key)} vs {other.meta.get(key)}"
+        for key in RUN_SETTINGS
+        if reference.meta.get(key) != other.meta.get(key)
+    ]
+    ref_types = {str(t.dtype) for t in reference.parameters().values()}
+    other_types = {str(t.dtype) for t in other.parameters().values()}
+    if ref_types != other_types:
+        ref_text, other_text = ", ".join(sorted(ref_types)), ", ".join(sorted(other_types))
+        notes.append(f"tensor dtype: {ref_text} vs {other_text}")
+    ref_optim = {k for k in reference.tensors if k.startswith("optim/")}
+    other_optim = {k for k in other.tensors if k.startswith("optim/")}
+    if ref_optim != other_optim:
+        only = sorted(ref_optim ^ other_optim)
+        notes.append(f"optimizer-state keys differ (e.g. {', '.join(only[:3])})")
+    return notes
+
+
 def worst(diffs: list[TensorDiff]) -> TensorDiff:
     """The largest max-abs and max-rel over all tensors (each may come from another tensor)."""
     return TensorDiff(
@@ -82,4 +114,11 @@ def worst(diffs: list[TensorDiff]) -> TensorDiff:
     )
 
 
-__all__ = ["DEFAULT_TOLERANCE", "TensorDiff", "diff_checkpoints", "tensor_diff", "worst"]
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "TensorDiff",
+    "diff_checkpoints",
+    "setting_differences",
+    "tensor_diff",
+    "worst",
+]

@@ -150,6 +150,7 @@ def _train_and_record(
         "optimizer": config.optim.name,
         "lr": lr,
         "deterministic": config.deterministic,
+        "dtype": config.dtype,
     }
 
     def on_step(record: StepRecord) -> None:

@@ -196,7 +196,7 @@ def one_line(error: Exception) -> str:
     """The most telling line of a job's failure: the last line that names an error.
 
     Example:
-        >>> one_line(JobFailed("rank 1 failed; its last stderr lines:\n  x\n  ValueError: bad"))
+        >>> one_line(JobFailed("rank 1 failed; its last stderr lines:\\n  x\\n  ValueError: bad"))
         'ValueError: bad'
     """
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
