@@ -111,7 +111,7 @@ TRAINING = {
     "inception-v3": (lambda params: torch.optim.SGD(params, lr=0.1), 30),
     "vgg19": (lambda params: torch.optim.Adam(params, lr=0.003), 100),
     # Adagrad takes sparse gradients (sparse=true) and moves the small RNN faster than SGD.
-    "sockeye": (lambda params: torch.optim.Adagrad(params, lr=0.1), 60),
+    "sockeye": (lambda params: torch.optim.Adagrad(params, lr=0.1), 40),
 }
 
 
