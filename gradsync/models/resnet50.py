@@ -14,7 +14,7 @@ the global batch across ranks (see ``resnet56``).
 
 Presets: ``paper`` is ResNet-50 at 224x224, 1000 classes, batch 256 (section 3.4);
 ``default`` keeps the depth (3, 4, 6, 3) at a quarter of the widths (w = 16 .. 128) on
-96x96 images, 100 classes, batch 32 (the P3 artifact's batch per worker), about 1.5M
+96x96 images, 100 classes, global batch 32 (the P3 artifact's default batch size), about 1.5M
 parameters; ``tiny`` is one bottleneck per stage at w = 2 .. 16 on 32x32 images, 10
 classes, batch 8. Real images: ``--data DIR`` with an ImageNet-style folder tree
 (:mod:`gradsync.data.imagefolder`), centre-cropped to the preset's size.
