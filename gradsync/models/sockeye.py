@@ -51,11 +51,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from gradsync.data.base import Dataset
-from gradsync.data.synthetic import SyntheticTranslation
-from gradsync.data.text import PAD_ID, ParallelText
+from gradsync.data.text import PAD_ID
 from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
-from gradsync.models.transformer import SmoothedSentenceLoss
+from gradsync.models.transformer import SmoothedSentenceLoss, translation_data
 
 NAME = "sockeye"
 
@@ -236,17 +234,10 @@ def build(request: BuildRequest) -> Workload:
     config = PRESETS[request.preset]
     if not request.dropout:
         config = dataclasses.replace(config, dropout=0.0)
-    dataset: Dataset
-    if request.data is None:
-        dataset = SyntheticTranslation(
-            seed=request.seed, vocab_size=config.vocab_size, seq_len=config.seq_len
-        )
-        data_description = "synthetic pairs (reversed source, permuted tokens)"
-    else:
-        parallel_text = ParallelText(request.data, seq_len=config.seq_len, seed=request.seed)
-        config = dataclasses.replace(config, vocab_size=len(parallel_text.vocabulary))
-        dataset = parallel_text
-        data_description = f"parallel text at {request.data}"
+    dataset, vocab_size, data_description = translation_data(
+        request, vocab_size=config.vocab_size, seq_len=config.seq_len
+    )
+    config = dataclasses.replace(config, vocab_size=vocab_size)
     model = SockeyeRNN(config, sparse=options.sparse, tied=options.tied)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
     return Workload(

@@ -203,6 +203,25 @@ class SmoothedSentenceLoss:
         return (token_losses.sum(dim=1) / num_tokens).mean()
 
 
+def translation_data(
+    request: BuildRequest, *, vocab_size: int, seq_len: int
+) -> tuple[Dataset, int, str]:
+    """Sentence pairs for a translation model: (dataset, vocabulary size, description).
+
+    Synthetic pairs over ``vocab_size`` tokens, or ``request.data``'s train.src/train.tgt,
+    whose vocabulary then replaces ``vocab_size``.
+
+    Example:
+        >>> translation_data(BuildRequest(), vocab_size=20, seq_len=6)[1:]
+        (20, 'synthetic pairs (reversed source, permuted tokens)')
+    """
+    if request.data is None:
+        synthetic = SyntheticTranslation(seed=request.seed, vocab_size=vocab_size, seq_len=seq_len)
+        return synthetic, vocab_size, "synthetic pairs (reversed source, permuted tokens)"
+    parallel_text = ParallelText(request.data, seq_len=seq_len, seed=request.seed)
+    return parallel_text, len(parallel_text.vocabulary), f"parallel text at {request.data}"
+
+
 def build(request: BuildRequest) -> Workload:
     """The Transformer of ``request.preset`` on synthetic pairs or ``request.data``/train.src+tgt.
 
@@ -217,17 +236,10 @@ def build(request: BuildRequest) -> Workload:
     config = PRESETS[request.preset]
     if not request.dropout:
         config = dataclasses.replace(config, dropout=0.0)
-    dataset: Dataset
-    if request.data is None:
-        dataset = SyntheticTranslation(
-            seed=request.seed, vocab_size=config.vocab_size, seq_len=config.seq_len
-        )
-        data_description = "synthetic pairs (reversed source, permuted tokens)"
-    else:
-        parallel_text = ParallelText(request.data, seq_len=config.seq_len, seed=request.seed)
-        config = dataclasses.replace(config, vocab_size=len(parallel_text.vocabulary))
-        dataset = parallel_text
-        data_description = f"parallel text at {request.data}"
+    dataset, vocab_size, data_description = translation_data(
+        request, vocab_size=config.vocab_size, seq_len=config.seq_len
+    )
+    config = dataclasses.replace(config, vocab_size=vocab_size)
     model = Transformer(config)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
     return Workload(
