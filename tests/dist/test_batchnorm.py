@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from gradsync.comm.batchnorm import GlobalBatchNorm, convert_batchnorm
 
@@ -195,6 +195,63 @@ def test_uneven_shards_combine_moments_by_count(run_ranks):
         torch.testing.assert_close(r["running_var"], reference.running_var, **TOL)
 
 
+VARIANTS = {
+    # name: (layer, global batch shape); every layer is compared in train and eval mode
+    "no-affine": (lambda: nn.BatchNorm2d(3, affine=False), (8, 3, 4, 4)),
+    "batch-stats-only": (lambda: nn.BatchNorm1d(3, track_running_stats=False), (8, 3, 6)),
+    "neither": (lambda: nn.BatchNorm1d(5, affine=False, track_running_stats=False), (8, 5)),
+    "bn3d": (lambda: nn.BatchNorm3d(2), (8, 2, 3, 3, 3)),
+}
+
+
+def _variant_steps(layer: nn.Module, shape: tuple[int, ...], lo: int, hi: int) -> list[Tensor]:
+    """Two train-mode steps and one eval forward on samples [lo, hi): outputs, input grads
+    and (where the layer has them) parameter gradients and running statistics."""
+    results = []
+    for step, training in enumerate((True, True, False)):
+        layer.train(training)
+        generator = torch.Generator().manual_seed(step)
+        x = (torch.randn(shape, generator=generator) * 3 + 1)[lo:hi].requires_grad_(True)
+        y = layer(x)
+        (y * torch.randn(shape, generator=generator)[lo:hi]).flatten(1).sum(1).mean().backward()
+        results += [y.detach(), x.grad]
+        for param in layer.parameters():
+            grad = param.grad.clone()
+            if dist.is_initialized():
+                dist.all_reduce(grad)
+                grad /= dist.get_world_size()
+            results.append(grad)
+            param.grad = None
+        results += [b.clone() for b in layer.buffers() if b.is_floating_point()]
+    return results
+
+
+def _variant_on_ranks(rank: int, world_size: int, name: str) -> list[Tensor]:
+    make, shape = VARIANTS[name]
+    model = nn.Sequential(make())
+    assert convert_batchnorm(model, group=None) == 1
+    per_rank = shape[0] // world_size
+    return _variant_steps(model[0], shape, rank * per_rank, (rank + 1) * per_rank)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_batchnorm_configuration_spans_the_global_batch(run_ranks, name):
+    """Without affine parameters, without running statistics (then eval mode normalizes
+    with the global batch's statistics, as torch's layer does with its whole batch), 3-d."""
+    make, shape = VARIANTS[name]
+    want = _variant_steps(make(), shape, 0, shape[0])
+    ranks = run_ranks(2, _variant_on_ranks, name)
+    per_item = len(want) // 3
+    for index, expected in enumerate(want):
+        if index % per_item in (0, 1):  # outputs and input gradients: concatenated shards
+            got = torch.cat([ranks[r][index] for r in range(2)])
+            scale = 2 if index % per_item == 1 else 1  # each shard's loss is its own mean
+            torch.testing.assert_close(got / scale, expected, **TOL)
+        else:
+            for r in range(2):
+                torch.testing.assert_close(ranks[r][index], expected, **TOL)
+
+
 # ---------------------------------------------------------------- without processes
 
 
@@ -228,12 +285,6 @@ def test_eval_mode_uses_running_statistics_without_a_process_group():
     x, _ = _batch("bn2d", 0)
     torch.testing.assert_close(layer(x), reference(x), rtol=0, atol=0)
     assert int(layer.num_batches_tracked) == 0  # eval does not touch the statistics
-
-
-@pytest.mark.parametrize("options", [dict(affine=False), dict(track_running_stats=False)])
-def test_unsupported_batchnorm_is_a_value_error(options):
-    with pytest.raises(ValueError, match="affine BatchNorm with running stats"):
-        GlobalBatchNorm(nn.BatchNorm2d(3, **options), group=None)
 
 
 def test_convert_keeps_the_training_mode():

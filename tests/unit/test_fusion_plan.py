@@ -86,7 +86,9 @@ def test_fused_allreduce_lays_out_buffers_by_plan():
         [id(params[i]) for i in indices] for indices in plan
     ]
     assert [b.offsets for b in fused.buckets] == [[0, 4], [0], [0]]
-    assert [b.buffer.numel() for b in fused.buckets] == [6, 5, 3]
+    # gradients, then one had-a-gradient flag per parameter
+    assert [b.buffer.numel() for b in fused.buckets] == [6 + 2, 5 + 1, 3 + 1]
+    assert [b.flags.numel() for b in fused.buckets] == [2, 1, 1]
     assert all(b.buffer.dtype == torch.float32 for b in fused.buckets)
     assert [b.pending for b in fused.buckets] == [2, 1, 1]
 
@@ -101,7 +103,7 @@ def test_fp16_compression_uses_half_precision_buffers():
         fp16=True,
     )
     assert [b.buffer.dtype for b in fused.buckets] == [torch.float16]
-    assert fused.buckets[0].buffer.numel() == 16
+    assert fused.buckets[0].buffer.numel() == 16 + 2
 
 
 # ---------------------------------------------------------------- ring byte model

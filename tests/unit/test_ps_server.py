@@ -25,8 +25,10 @@ def _state(lr: float = 0.1) -> ShardState:
     )
 
 
-def _push(worker: int, step: int, grad: list[float]) -> Message:
-    return Message(PUSH, worker, step, torch.tensor(grad), wire_bytes=4 * (HEADER + len(grad)))
+def _push(worker: int, step: int, grad: list[float], flags: tuple[float, ...] = (1.0,)) -> Message:
+    """A push of one slot's gradient followed by its had-a-gradient flag(s)."""
+    payload = torch.tensor([*grad, *flags])
+    return Message(PUSH, worker, step, payload, wire_bytes=4 * (HEADER + len(payload)))
 
 
 def test_sync_rounds_average_all_workers_then_answer_everyone() -> None:
@@ -70,5 +72,35 @@ def test_state_tensors_hold_values_and_optimizer_state() -> None:
     )
     state.apply(torch.ones(3), step=0)
     tensors = state.state_tensors()
-    assert set(tensors) == {"values", "optim/step", "optim/exp_avg", "optim/exp_avg_sq"}
-    assert tensors["optim/step"].dim() == 0 and tensors["optim/exp_avg"].shape == (3,)
+    assert set(tensors) == {"values", "optim/step@scalar", "optim/exp_avg", "optim/exp_avg_sq"}
+    assert tensors["optim/step@scalar"].tolist() == [1.0] * 3  # one per element, like values
+    assert tensors["optim/exp_avg"].shape == (3,)
+
+
+def _momentum_state(sizes: list[int]) -> ShardState:
+    config = OptimConfig(lr=0.1, momentum=0.9, weight_decay=0.5)
+    return ShardState(torch.ones(sum(sizes)), lambda ps: Updater(ps, config, lr=0.1), sizes)
+
+
+def test_a_slot_without_a_gradient_anywhere_is_not_moved() -> None:
+    """single's optimizer skips a parameter whose grad is None: no weight decay, no
+    momentum; so does the server for a slot every worker flagged as without gradient."""
+    state, outbox = _momentum_state([1, 2]), FakeOutbox()
+    rule = SyncRounds(state, outbox, RoundLog(2, lambda _: None))  # type: ignore[arg-type]
+    for step in range(3):
+        for worker in range(2):
+            present = 1.0 if step == 0 else 0.0  # slot 1 used in step 0 only
+            rule.on_push(_push(worker, step, [1.0, 0.0, 0.0], flags=(1.0, present)))
+        if step == 0:
+            after_first = state.values[1:].clone()
+    assert torch.equal(state.values[1:], after_first)  # momentum did not carry it on
+    assert not torch.equal(state.values[:1], torch.ones(1))
+
+
+def test_a_gradient_on_some_workers_only_is_averaged_with_zeros() -> None:
+    state, outbox = _momentum_state([2]), FakeOutbox()
+    rule = SyncRounds(state, outbox, RoundLog(2, lambda _: None))  # type: ignore[arg-type]
+    rule.on_push(_push(0, 0, [4.0, 4.0], flags=(1.0,)))
+    rule.on_push(_push(1, 0, [0.0, 0.0], flags=(0.0,)))
+    # grad (4 + 0) / 2 = 2, plus weight decay 0.5 · 1: 1 - 0.1 · 2.5
+    assert torch.allclose(state.values, torch.tensor([0.75, 0.75]))
