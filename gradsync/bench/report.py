@@ -269,9 +269,10 @@ def gain_section(published: PublishedGain, rows: list[Row]) -> list[str]:
         "",
         markdown_table(headers, table) if table else "No setting has both strategies.",
         "",
-        f"Gain = {strategy}'s samples/s / {baseline}'s - 1, medians over repeats (ranges: "
-        "min–max over repeats). The published figures are the paper's best case on its own "
-        "cluster; '-' where it gives no single figure for the model.",
+        f"Gain = {strategy}'s samples/s / {baseline}'s - 1, on the medians of the tables "
+        "above (ranges as there: min–max over repeats, over measurement windows for a single "
+        "repeat). The published figures are the paper's best case on its own cluster; '-' "
+        "where it gives no single figure for the model.",
         "",
     ]
 
