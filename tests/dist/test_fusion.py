@@ -110,7 +110,8 @@ def _expected_bytes(model_name: str, threshold: int, world_size: int, element_si
     params = list(MODELS[model_name]().parameters())
     per_step = 0
     for bucket in plan_buckets(params, threshold):
-        num_bytes = sum(params[i].numel() for i in bucket) * element_size
+        flags = len(bucket)  # one had-a-gradient flag per parameter travels with them
+        num_bytes = (sum(params[i].numel() for i in bucket) + flags) * element_size
         per_step += 2 * (world_size - 1) * num_bytes // world_size  # ring allreduce, per rank
     return per_step
 
@@ -178,12 +179,19 @@ class _WithUnused(nn.Module):
         self.last = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last(self.first(x))
+        hidden = self.first(x)
+        if self.use_middle:  # a data-dependent branch: some ranks take it, others do not
+            hidden = self.unused(hidden)
+        return self.last(hidden)
+
+    use_middle = False
 
 
-def _unused_everywhere(rank: int, world_size: int, threshold: int) -> dict:
+def _unused_somewhere(rank: int, world_size: int, threshold: int, on_rank_zero: bool) -> dict:
+    """The middle layer is used by rank 0 only (``on_rank_zero``) or by no rank."""
     torch.manual_seed(0)
     model = _WithUnused()
+    model.use_middle = on_rank_zero and rank == 0
     reference = copy.deepcopy(model)
     fused = FusedAllreduce(
         list(model.parameters()),
@@ -213,17 +221,28 @@ def _unused_everywhere(rank: int, world_size: int, threshold: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("threshold", [0, 64 << 20], ids=["unfused", "large"])
-def test_parameter_without_gradient_on_every_rank(run_ranks, world_size, threshold):
-    for result in run_ranks(world_size, _unused_everywhere, threshold):
+def test_parameter_without_gradient_on_every_rank_keeps_none(run_ranks, world_size, threshold):
+    """single's optimizer skips a parameter whose grad is None; so must every rank's."""
+    for result in run_ranks(world_size, _unused_somewhere, threshold, False):
         for record in result["records"]:
             for name, got, want in zip(
                 result["names"], record["grads"], record["expected"], strict=True
             ):
-                # documented: a parameter that got no gradient contributes zeros
-                assert got is not None, name
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
                 if name.startswith("unused"):
-                    assert torch.count_nonzero(got) == 0
+                    assert got is None, name
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("threshold", [0, 64 << 20], ids=["unfused", "large"])
+def test_parameter_with_gradient_on_one_rank_is_averaged_with_zeros(run_ranks, threshold):
+    for result in run_ranks(2, _unused_somewhere, threshold, True):
+        for record in result["records"]:
+            for name, got, want in zip(
+                result["names"], record["grads"], record["expected"], strict=True
+            ):
+                assert got is not None, name  # rank 0's gradient, halved, on both ranks
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def _sparse_embedding(rank: int, world_size: int, threshold: int) -> dict:

@@ -22,7 +22,8 @@ def _shard(size: int) -> ShardState:
 
 def _server_parts(rank: int, workers: int, local_worker: int | None, size: int):
     remote = {w: w for w in range(workers) if w != local_worker}
-    inbox = Inbox(size=size, remote=remote, local_worker=local_worker, group=None, timeout_s=20)
+    # a push is the shard's gradients and one had-a-gradient flag (the shard is one slot)
+    inbox = Inbox(size=size + 1, remote=remote, local_worker=local_worker, group=None, timeout_s=20)
     outbox = Outbox(remote=remote, local_worker=local_worker, group=None)
     return inbox, outbox, _shard(size)
 
@@ -39,10 +40,12 @@ def _dedicated(rank: int, world_size: int, synchronous: bool) -> list:
             on_round=rounds.append,
         )
         return [(r.step, r.bytes_recv, r.bytes_sent) for r in rounds]
-    client = Client(worker=rank, sizes=[size], servers=[2], group=None, timeout_s=20)
+    client = Client(
+        worker=rank, sizes=[size], push_sizes=[size + 1], servers=[2], group=None, timeout_s=20
+    )
     pulled = []
     for step in range(3):
-        client.push_buffers[0][HEADER:] = float(rank + 1)  # worker k pushes k+1 everywhere
+        client.push_buffers[0][HEADER:] = float(rank + 1)  # k+1 everywhere; the flag > 0
         client.push_pull(step)
         pulled.append(client.pull_buffers[0][HEADER:].tolist())
     state = client.request_state() if rank == 0 else None
@@ -56,8 +59,8 @@ def test_sync_server_averages_pushes_and_answers_everyone(run_ranks) -> None:
     expected = [[-0.75 * (s + 1)] * 3 for s in range(3)]
     assert worker0[0] == expected and worker1[0] == expected
     assert worker0[1] == expected[-1]
-    push_bytes = 4 * (HEADER + 3)
-    assert rounds == [(s, 2 * push_bytes, 2 * push_bytes) for s in range(3)]
+    push_bytes, pull_bytes = 4 * (HEADER + 3 + 1), 4 * (HEADER + 3)
+    assert rounds == [(s, 2 * push_bytes, 2 * pull_bytes) for s in range(3)]
 
 
 def test_async_server_applies_every_push(run_ranks) -> None:
@@ -77,6 +80,7 @@ def _colocated(rank: int, world_size: int) -> list:
     client = Client(
         worker=rank,
         sizes=[2, 2],
+        push_sizes=[3, 3],
         servers=[None if s == rank else s for s in range(2)],
         group=None,
         timeout_s=20,
@@ -94,5 +98,6 @@ def _colocated(rank: int, world_size: int) -> list:
 def test_colocated_server_thread_serves_its_own_worker_and_the_other(run_ranks) -> None:
     for pulled, sent, received in run_ranks(2, _colocated):
         assert pulled == [[-1.5, -1.5], [-1.5, -1.5]]
-        # Only the remote shard crosses the network: one push and one pull of 2 values.
-        assert sent == received == 4 * (HEADER + 2)
+        # Only the remote shard crosses the network: one push of 2 values and a flag, one
+        # pull of 2 values.
+        assert (sent, received) == (4 * (HEADER + 3), 4 * (HEADER + 2))
