@@ -25,7 +25,7 @@ from gradsync.data.base import mix_seed, shard_bounds
 from gradsync.errors import UserError
 from gradsync.evaluate import validation_accuracy
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
-from gradsync.models import build_workload
+from gradsync.models import workload_of
 from gradsync.models.base import Workload
 from gradsync.optim import Updater, effective_lr
 from gradsync.probe import missing_on_any_worker, params_without_gradient
@@ -98,14 +98,7 @@ def _train_and_record(
         return
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
-    workload = build_workload(
-        config.model,
-        preset=config.preset,
-        seed=config.seed,
-        data=config.data,
-        dropout=not config.deterministic,
-        options=config.model_options,
-    )
+    workload = workload_of(config, dropout=not config.deterministic)
     global_batch = config.global_batch or workload.global_batch
     model = workload.model.to(device)
     missing = _probe_gradients(strategy, workload, global_batch, env.rank, worker_group, device)

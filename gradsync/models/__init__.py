@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from gradsync.errors import UserError
 from gradsync.models import (
@@ -25,6 +26,9 @@ from gradsync.models import (
 )
 from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
 from gradsync.models.user import build_user_workload, is_user_model
+
+if TYPE_CHECKING:
+    from gradsync.config import TrainConfig
 
 DEFAULT_MODEL = "transformer"
 
@@ -87,6 +91,25 @@ def build_workload(
     return model_spec(name).build(request)
 
 
+def workload_of(config: TrainConfig, *, dropout: bool = False) -> Workload:
+    """The workload a run's config names (model, preset, seed, data, options); dropout off
+    unless asked, as the launcher's checks want it.
+
+    Example:
+        >>> from gradsync.config import TrainConfig
+        >>> workload_of(TrainConfig(model="mnist-cnn", preset="tiny")).global_batch
+        8
+    """
+    return build_workload(
+        config.model,
+        preset=config.preset,
+        seed=config.seed,
+        data=config.data,
+        dropout=dropout,
+        options=config.model_options,
+    )
+
+
 __all__ = [
     "DEFAULT_MODEL",
     "REGISTRY",
@@ -96,4 +119,5 @@ __all__ = [
     "build_workload",
     "check_model",
     "model_spec",
+    "workload_of",
 ]

@@ -37,16 +37,9 @@ class NativeDDP(Strategy):
         """Refuse, before launch, a sparse-gradient parameter that some worker leaves without
         a gradient in step 0: torch's DDP reducer cannot reduce it ("Expected sparse
         gradient to be defined")."""
-        from gradsync.models import build_workload
+        from gradsync.models import workload_of
 
-        workload = build_workload(
-            config.model,
-            preset=config.preset,
-            seed=config.seed,
-            data=config.data,
-            dropout=False,
-            options=config.model_options,
-        )
+        workload = workload_of(config)
         sparse = sparse_lookup_weights(workload.model)
         if not sparse or config.workers == 1:
             return

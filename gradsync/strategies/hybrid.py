@@ -147,18 +147,10 @@ def describe_classification(model: nn.Module, kinds: dict[str, str]) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _classify_config(text: str) -> tuple[tuple[str, str], ...]:
-    config = TrainConfig.from_json(text)
-    from gradsync.models import build_workload
+    from gradsync.models import workload_of
 
-    workload = build_workload(
-        config.model,
-        preset=config.preset,
-        seed=config.seed,
-        data=config.data,
-        dropout=False,
-        options=config.model_options,
-    )
-    return tuple(classify(workload.model, config.hybrid).items())
+    config = TrainConfig.from_json(text)
+    return tuple(classify(workload_of(config).model, config.hybrid).items())
 
 
 def _has_sparse(config: TrainConfig) -> bool:

@@ -122,16 +122,9 @@ class PriorityPropagation(Strategy):
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         """Fail before launch when the model has fewer slices than servers."""
-        from gradsync.models import build_workload
+        from gradsync.models import workload_of
 
-        workload = build_workload(
-            config.model,
-            preset=config.preset,
-            seed=config.seed,
-            data=config.data,
-            dropout=False,
-            options=config.model_options,
-        )
+        workload = workload_of(config)
         variables = [
             (n, p.numel()) for n, p in workload.model.named_parameters() if p.requires_grad
         ]

@@ -71,16 +71,9 @@ class ParameterServer(Strategy):
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         """Fail before launch when the model has fewer variables than servers."""
-        from gradsync.models import build_workload
+        from gradsync.models import workload_of
 
-        workload = build_workload(
-            config.model,
-            preset=config.preset,
-            seed=config.seed,
-            data=config.data,
-            dropout=False,
-            options=config.model_options,
-        )
+        workload = workload_of(config)
         _plan(
             config,
             [_variable(n, p) for n, p in workload.model.named_parameters() if p.requires_grad],
