@@ -23,7 +23,13 @@ ZOO = ["transformer", "lstm-lm", "resnet56", "vgg16", "mnist-cnn"]  # the P3 mod
 ADVERSARIAL = REPO / "tests" / "models" / "adversarial.py"
 
 
-def _verify(workdir: Path, *args: str, strategies: str = SYNCHRONOUS) -> list[dict]:
+def _verify(
+    workdir: Path,
+    *args: str,
+    strategies: str = SYNCHRONOUS,
+    workers: tuple[int, ...] = (2, 4),
+    threads: int = 1,
+) -> list[dict]:
     out = workdir / "verify"
     result = gradsync(
         "verify",
@@ -31,9 +37,9 @@ def _verify(workdir: Path, *args: str, strategies: str = SYNCHRONOUS) -> list[di
         "--strategies",
         strategies,
         "--workers",
-        "2,4",
+        ",".join(map(str, workers)),
         "--threads",
-        "1",
+        str(threads),
         "--out",
         str(out),
         cwd=workdir,
@@ -42,7 +48,7 @@ def _verify(workdir: Path, *args: str, strategies: str = SYNCHRONOUS) -> list[di
     assert result.returncode == 0, result.stdout + result.stderr
     assert "float64" in result.stdout and "dropout is disabled" in result.stdout
     outcomes = verify_outcomes(out)
-    expected = {(s, w) for s in strategies.split(",") for w in (2, 4)} | {("single", 1)}
+    expected = {(s, w) for s in strategies.split(",") for w in workers} | {("single", 1)}
     assert {(o["strategy"], o["workers"]) for o in outcomes} == expected
     for outcome in outcomes:
         assert outcome["tolerance"] == FLOAT64_TOLERANCE, outcome
@@ -64,6 +70,12 @@ def test_zoo_model_matches_single_in_float64(model: str, workdir: Path) -> None:
         "--weight-decay",
         "1e-4",
     )
+
+
+@pytest.mark.parametrize("model", ["transformer", "resnet56"])
+def test_two_threads_per_rank_match_too(model: str, workdir: Path) -> None:
+    """Another reduction order inside each rank (single's rerun then uses 1 thread)."""
+    _verify(workdir, "--model", model, "--preset", "tiny", "--steps", "20", workers=(2,), threads=2)
 
 
 def test_dense_adversary_matches_single(workdir: Path) -> None:
