@@ -37,11 +37,13 @@ class NativeDDP(Strategy):
         """Refuse, before launch, a sparse-gradient parameter that some worker leaves without
         a gradient in step 0: torch's DDP reducer cannot reduce it ("Expected sparse
         gradient to be defined")."""
+        if config.workers == 1:
+            return
         from gradsync.models import workload_of
 
         workload = workload_of(config)
         sparse = sparse_lookup_weights(workload.model)
-        if not sparse or config.workers == 1:
+        if not sparse:
             return
         global_batch = config.global_batch or workload.global_batch
         missing: set[str] = set()
