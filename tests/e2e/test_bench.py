@@ -59,11 +59,11 @@ def test_interrupted_sweep_resumes_without_redoing_cells(
     real_run_cell = sweep.run_cell
     calls: list[str] = []
 
-    def interrupted_after_one(experiment, cell, config):
+    def interrupted_after_one(experiment, cell, config, **options):
         if calls:
             raise KeyboardInterrupt
         calls.append(cell.id)
-        return real_run_cell(experiment, cell, config)
+        return real_run_cell(experiment, cell, config, **options)
 
     monkeypatch.setattr(sweep, "run_cell", interrupted_after_one)
     with pytest.raises(KeyboardInterrupt):
