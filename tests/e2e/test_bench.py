@@ -72,9 +72,9 @@ def test_interrupted_sweep_resumes_without_redoing_cells(
 
     resumed: list[str] = []
 
-    def counting(experiment, cell, config):
+    def counting(experiment, cell, config, **options):
         resumed.append(cell.id)
-        return real_run_cell(experiment, cell, config)
+        return real_run_cell(experiment, cell, config, **options)
 
     monkeypatch.setattr(sweep, "run_cell", counting)
     records = sweep.run_sweep(experiment, workdir / "out", show_progress=False)
