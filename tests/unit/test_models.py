@@ -109,13 +109,23 @@ TRAINING = {
     "mnist-cnn": (lambda params: torch.optim.SGD(params, lr=0.1), 60),
     "resnet50": (lambda params: torch.optim.SGD(params, lr=0.1), 30),
     "inception-v3": (lambda params: torch.optim.SGD(params, lr=0.1), 30),
-    "vgg19": (lambda params: torch.optim.Adam(params, lr=0.003), 100),
     # Adagrad takes sparse gradients (sparse=true) and moves the small RNN faster than SGD.
     "sockeye": (lambda params: torch.optim.Adagrad(params, lr=0.1), 40),
 }
 
 
-@pytest.mark.parametrize(("name", "options"), VARIANTS, ids=VARIANT_IDS)
+# Training is the slowest test here: variants that add no new network to train are left out
+# (vgg19 is vgg16's VGG class with more layers; the auxiliary head and tied output change
+# the loss, which the other tests cover, not whether the data is learnable).
+SAME_NETWORK = {"vgg19", "inception-v3-aux", "sockeye-tied"}
+TRAINED = [
+    (variant, variant_id)
+    for variant, variant_id in zip(VARIANTS, VARIANT_IDS, strict=True)
+    if variant_id not in SAME_NETWORK
+]
+
+
+@pytest.mark.parametrize(("name", "options"), [v for v, _ in TRAINED], ids=[i for _, i in TRAINED])
 def test_tiny_model_loss_decreases_on_synthetic_data(name: str, options: dict[str, str]) -> None:
     workload = build_tiny(name, options, dropout=False)
     make_optimizer, num_steps = TRAINING[name]
