@@ -206,24 +206,31 @@ def one_line(error: Exception) -> str:
 
 
 def diagnosis(outcomes: Sequence[Outcome]) -> str | None:
-    """A hint when every failing strategy misses ``single`` by about the same amount.
+    """A hint when every synchronous strategy misses ``single`` by about the same amount.
 
-    Independent strategies that are wrong by the same distance point at what they share:
-    the model or its loss (e.g. a loss that is a sum rather than a mean over samples, or a
-    layer other than BatchNorm that mixes samples), not the synchronization.
+    Independent strategies that are all wrong by the same distance point at what they
+    share: the model or its loss (e.g. a loss that is a sum rather than a mean over
+    samples, or a layer other than BatchNorm that mixes samples), not the synchronization.
+    No hint when any strategy matches (then the model is fine) or only one was run.
 
     Example:
-        >>> row = lambda s, d: Outcome(s, 2, d, 0.0, 1e-9, "FAIL", "", {}, 0.0, 0.0, "")
+        >>> row = lambda s, d, v="FAIL": Outcome(s, 2, d, 0.0, 1e-9, v, "", {}, 0.0, 0.0, "")
         >>> diagnosis([row("ddp", 1.0e-3), row("ps", 1.2e-3)])[:70]
-        'every failing strategy differs from single by about the same amount (1'
+        'every synchronous strategy differs from single by about the same amoun'
+        >>> diagnosis([row("ddp", 1.0e-3), row("ps", 1e-12, "match")]) is None
+        True
         >>> diagnosis([row("ddp", 1.0e-3), row("ps", 1.0)]) is None
         True
     """
-    failing = [o.max_abs for o in outcomes if o.verdict == "FAIL"]
-    if len(failing) < 2 or max(failing) > 3 * min(failing):
+    compared = [o for o in outcomes if o.verdict in ("match", "FAIL")]
+    failing = [o.max_abs for o in compared if o.verdict == "FAIL"]
+    strategies = {o.strategy.split(":")[0] for o in compared}
+    if not failing or len(failing) < len(compared) or len(strategies) < 2:
+        return None
+    if max(failing) > 3 * min(failing):
         return None
     return (
-        f"every failing strategy differs from single by about the same amount "
+        f"every synchronous strategy differs from single by about the same amount "
         f"({min(failing):.1e}–{max(failing):.1e}): the likely cause is the model or its loss "
         "(a loss that is not a mean over the samples, or a layer that mixes samples other "
         "than BatchNorm), not the strategies"
