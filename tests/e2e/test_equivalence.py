@@ -250,3 +250,38 @@ def test_a_crashed_strategy_is_a_row_and_the_others_still_run(workdir: Path) -> 
         assert rows[name]["verdict"] == "crashed"
         assert "needs the whole batch" in rows[name]["reason"]
     assert (out / "verify.md").exists()
+
+
+def test_a_loss_summed_over_samples_gets_the_diagnosis(workdir: Path) -> None:
+    """A loss that sums instead of averaging makes every strategy wrong by the same amount
+    (each worker's gradient is its shard's sum, then averaged): the model, not them."""
+    model = workdir / "summed_loss.py"
+    model.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def build(seed=0):\n"
+        "    g = torch.Generator().manual_seed(seed)\n"
+        "    data = torch.utils.data.TensorDataset(torch.randn(64, 3, generator=g),\n"
+        "                                          torch.randint(0, 2, (64,), generator=g))\n"
+        "    loss = lambda out, y: nn.functional.cross_entropy(out, y, reduction='sum')\n"
+        "    return nn.Linear(3, 2), data, loss\n"
+    )
+    result = gradsync(
+        "verify",
+        "--model",
+        f"{model}:build",
+        "--global-batch",
+        "16",
+        "--strategies",
+        "ddp,allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "3",
+        "--out",
+        "verify",
+        cwd=workdir,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert {o["verdict"] for o in verify_outcomes(workdir / "verify")} == {"reference", "FAIL"}
+    assert "diagnosis:" in result.stdout and "not a mean over the samples" in result.stdout
