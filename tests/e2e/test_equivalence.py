@@ -1,6 +1,6 @@
 """Every synchronous strategy computes single's parameters (DESIGN.md §3), in float64.
 
-float64 rounding stays near 1e-12 over 20 steps on any CPU, so one absolute tolerance
+float64 rounding stays near 1e-12 over many steps on any CPU, so one absolute tolerance
 (1e-9) holds every zoo model and every adversarial model: no per-CPU inflation, and a
 real bug (a moved parameter without a gradient, a stale row) shows at 1e-6 or more.
 Every cell runs with 1 intra-op thread; ``verify`` reruns single with 2 threads, and the
@@ -66,16 +66,17 @@ def test_zoo_model_matches_single_in_float64(model: str, workdir: Path) -> None:
         "--preset",
         "tiny",
         "--steps",
-        "20",
+        "8",
         "--weight-decay",
         "1e-4",
     )
 
 
-@pytest.mark.parametrize("model", ["transformer", "resnet56"])
-def test_two_threads_per_rank_match_too(model: str, workdir: Path) -> None:
+def test_two_threads_per_rank_match_too(workdir: Path) -> None:
     """Another reduction order inside each rank (single's rerun then uses 1 thread)."""
-    _verify(workdir, "--model", model, "--preset", "tiny", "--steps", "20", workers=(2,), threads=2)
+    _verify(
+        workdir, "--model", "resnet56", "--preset", "tiny", "--steps", "8", workers=(2,), threads=2
+    )
 
 
 def test_dense_adversary_matches_single(workdir: Path) -> None:

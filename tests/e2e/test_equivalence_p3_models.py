@@ -34,7 +34,7 @@ def test_p3_matches_single_on_the_tiny_preset(model: str, workdir: Path) -> None
         "--workers",
         "2",
         "--steps",
-        "3",
+        "2",
         "--out",
         str(out),
         cwd=workdir,
