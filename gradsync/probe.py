@@ -57,16 +57,25 @@ def missing_on_any_worker(
     return {n for n, flag in zip(names, flags.tolist(), strict=True) if flag}
 
 
+def lookup_tables(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
+    """Weight name → its ``nn.Embedding``/``nn.EmbeddingBag`` layer.
+
+    Example:
+        >>> list(lookup_tables(nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 1))))
+        ['0.weight']
+    """
+    return {
+        (f"{prefix}.weight" if prefix else "weight"): module
+        for prefix, module in model.named_modules()
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag)
+    }
+
+
 def sparse_lookup_weights(model: nn.Module) -> set[str]:
-    """Names of the weights of ``nn.Embedding``/``nn.EmbeddingBag`` layers with sparse
-    gradients (``sparse=True``).
+    """Names of the lookup-table weights with sparse gradients (``sparse=True``).
 
     Example:
         >>> sparse_lookup_weights(nn.Sequential(nn.Embedding(4, 2, sparse=True), nn.Linear(2, 1)))
         {'0.weight'}
     """
-    return {
-        f"{prefix}.weight" if prefix else "weight"
-        for prefix, module in model.named_modules()
-        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse
-    }
+    return {name for name, table in lookup_tables(model).items() if table.sparse}

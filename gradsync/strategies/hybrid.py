@@ -61,11 +61,9 @@ from gradsync.comm.sparse import (
 from gradsync.config import HybridConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.metrics import MetricsWriter, ServerRecord
+from gradsync.probe import lookup_tables
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 from gradsync.trace import COMPUTE, Phase
-
-EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-
 
 # -- classification (pure) ------------------------------------------------------------------
 
@@ -86,7 +84,7 @@ def classify(model: nn.Module, options: HybridConfig) -> dict[str, str]:
         >>> classify(model, HybridConfig(dense_patterns=("0.*",)))["0.weight"]
         'dense'
     """
-    lookups = _embedding_weights(model)
+    lookups = lookup_tables(model)
     tied = tied_names(model)
     result = {}
     for name, param in model.named_parameters():
@@ -124,17 +122,9 @@ def tied_names(model: nn.Module) -> set[str]:
     return {names[0] for names in names_of.values() if len(names) > 1}
 
 
-def _embedding_weights(model: nn.Module) -> dict[str, nn.Module]:
-    return {
-        (f"{prefix}.weight" if prefix else "weight"): module
-        for prefix, module in model.named_modules()
-        if isinstance(module, EMBEDDINGS)
-    }
-
-
 def describe_classification(model: nn.Module, kinds: dict[str, str]) -> str:
     params = dict(model.named_parameters())
-    lookups, tied = _embedding_weights(model), tied_names(model)
+    lookups, tied = lookup_tables(model), tied_names(model)
     lines = []
     for name, kind in kinds.items():
         shape = "×".join(map(str, params[name].shape))
@@ -351,7 +341,7 @@ class Hybrid(Strategy):
         if not self.sparse_names:
             return model
         self._join(context, is_worker=True)
-        lookups = _embedding_weights(model)
+        lookups = lookup_tables(model)
         for name in self.sparse_names:
             lookups[name].register_forward_pre_hook(
                 lambda _module, args, name=name: self._pull_rows(name, args[0])
