@@ -183,7 +183,7 @@ def _add_model_options(
         metavar="GLOB",
         help="treat matching variables as dense (allreduce); wins over --sparse-pattern",
     )
-    p3 = parser.add_argument_group("P3 (--strategy p3; --servers sets its servers)")
+    p3 = parser.add_argument_group("P3 (--strategy p3; --servers and --colocate place its servers)")
     p3.add_argument(
         "--slice-size",
         type=_positive_int,
@@ -424,17 +424,19 @@ def _config(args: argparse.Namespace, **overrides: object):
         fields["ps"] = dataclasses.replace(fields["ps"], servers=None, colocate=False)
     elif "strategy" in fields:
         fields["hybrid"] = dataclasses.replace(fields["hybrid"], servers=None, colocate=False)
-    # --servers places p3's servers too (and then not the ps's); verify cells keep their own.
+    # --servers/--colocate place p3's servers too (and then not the ps's); verify cells keep
+    # their own.
     fields["p3"] = P3Config(
         servers=args.servers,
+        colocate=args.colocate,
         slice_size=getattr(args, "slice_size", 40_000),
         priority=getattr(args, "priority", True),
         slicing=getattr(args, "slicing", True),
     )
     if fields.get("strategy") == "p3":
-        fields["ps"] = dataclasses.replace(fields["ps"], servers=None)
+        fields["ps"] = dataclasses.replace(fields["ps"], servers=None, colocate=False)
     elif "strategy" in fields:
-        fields["p3"] = dataclasses.replace(fields["p3"], servers=None)
+        fields["p3"] = dataclasses.replace(fields["p3"], servers=None, colocate=False)
     return TrainConfig(**fields)  # type: ignore[arg-type]
 
 

@@ -170,22 +170,30 @@ DEFAULT_SLICE_SIZE = 40_000
 class P3Config:
     """Priority-based Parameter Propagation (strategy ``p3``, Jayarajan et al. SysML'19).
 
-    ``servers`` dedicated server ranks (None: 1). Every variable is cut into slices of at
-    most ``slice_size`` values (MXNet P3's default 40,000), spread round-robin over the
-    servers; ``slicing=False`` sends whole variables. ``priority=False`` sends in arrival
-    order (FIFO) instead of layer order, input side first.
+    ``servers`` dedicated server ranks (None: 1, or one per worker with ``colocate``, where
+    every worker also serves). Every variable is cut into slices of at most ``slice_size``
+    values (MXNet P3's default 40,000), spread round-robin over the servers;
+    ``slicing=False`` sends whole variables. ``priority=False`` sends in arrival order
+    (FIFO) instead of layer order, input side first.
     """
 
     servers: int | None = None
+    colocate: bool = False
     slice_size: int = DEFAULT_SLICE_SIZE
     priority: bool = True
     slicing: bool = True
 
-    def num_servers(self) -> int:
-        return 1 if self.servers is None else self.servers
+    def num_servers(self, workers: int) -> int:
+        """Server shards in the job: one per worker when colocated."""
+        return workers if self.colocate else (1 if self.servers is None else self.servers)
 
-    def check(self) -> None:
+    def check(self, workers: int) -> None:
         """UserError on an impossible P3 configuration."""
+        if self.colocate and self.servers is not None:
+            raise UserError(
+                f"--servers {self.servers} with --colocate: colocated servers run inside the "
+                f"workers (--workers {workers}), not on extra ranks; drop --servers or --colocate"
+            )
         if self.servers is not None and self.servers < 1:
             raise UserError(
                 f"--servers {self.servers} leaves no parameter server; use --servers 1 or more"
@@ -327,7 +335,7 @@ class TrainConfig:
         if self.strategy == "ps":
             self.ps.check(self.workers)
         if self.strategy == "p3":
-            self.p3.check()
+            self.p3.check(self.workers)
         if self.strategy == "hybrid":
             self.hybrid.check(self.workers)
         launch = self.launch

@@ -27,13 +27,8 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import os
 import re
-import sys
-import threading
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,23 +39,25 @@ from gradsync.checkpoint import OPTIM, PARAM, model_state
 from gradsync.comm.counters import CommStats
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.groups import node_local_group
-from gradsync.comm.pushpull import Outbox
+from gradsync.comm.objects import broadcast_json, broadcast_tensors
+from gradsync.comm.server import ColocatedServer, ServerMetrics, serve
 from gradsync.comm.sparse import (
     RowPartition,
     SparseClient,
-    SparseInbox,
     SparseServer,
     SparseShard,
     SparseVariable,
     choose_num_partitions,
     coalesce_rows,
+    measure_apply_cost,
     partition_rows,
+    sparse_reader,
     split_rows,
     sum_rows,
 )
+from gradsync.comm.wire import TAG_REPLY, Inbox, Outbox
 from gradsync.config import HybridConfig, TrainConfig
 from gradsync.errors import UserError
-from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.probe import lookup_tables
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 from gradsync.trace import COMPUTE, Phase
@@ -212,11 +209,11 @@ class Hybrid(Strategy):
         env = detect_environment()
         node = env.node_rank if env is not None else 0
         # Who is on which node; servers get a node of their own (no local aggregation).
-        nodes: list[Any] = [None] * context.world_size
-        dist.all_gather_object(nodes, node if is_worker else None)
+        nodes = [torch.zeros(1, dtype=torch.long) for _ in range(context.world_size)]
+        dist.all_gather(nodes, torch.tensor([node if is_worker else -1]))
         workers_by_node: dict[int, list[int]] = {}
-        for rank, n in enumerate(nodes):
-            if n is not None:
+        for rank, n in enumerate(int(t) for t in nodes):
+            if n >= 0:
                 workers_by_node.setdefault(n, []).append(rank)
         if self.options.local_aggregation:
             self.node = node_local_group(node if is_worker else -1 - context.rank)
@@ -225,12 +222,12 @@ class Hybrid(Strategy):
             self.node = None
             self.pushers = list(range(context.num_workers))
 
-    def _receive_spec(self, spec: dict[str, Any] | None) -> dict[str, Any]:
-        """Worker 0's classification, geometry, partition count and initial rows, everywhere."""
-        box = [spec]
-        dist.broadcast_object_list(box, src=0)
-        spec = box[0]
-        assert spec is not None
+    def _receive_spec(self, spec: dict[str, Any] | None) -> dict[str, Tensor]:
+        """Worker 0's classification, geometry, partition count and initial rows, everywhere;
+        returns the initial rows."""
+        initial = spec.pop("initial") if spec is not None else None
+        spec = broadcast_json(spec)
+        self.spec_kinds: dict[str, str] = spec["kinds"]
         self.variables = [SparseVariable(*v) for v in spec["variables"]]
         self.partitions = partition_rows(
             self.variables, spec["num_partitions"], num_servers=self.num_servers
@@ -238,65 +235,49 @@ class Hybrid(Strategy):
         self.on_server = [
             [p for p in self.partitions if p.server == s] for s in range(self.num_servers)
         ]
-        return spec
+        return broadcast_tensors(initial)
 
-    def _make_server(
-        self, server: int, spec: dict[str, Any], local_worker: int | None
-    ) -> SparseServer:
+    def _server(
+        self, server: int, initial: dict[str, Tensor], local_worker: int | None
+    ) -> tuple[Inbox, SparseServer]:
+        """Server ``server``'s inbox and policy (``local_worker`` shares its process)."""
         context = self.context
         workers = context.num_workers
         remote = {w: w for w in range(workers) if w != local_worker}
-        inbox = SparseInbox(
-            self.on_server[server],
-            remote=remote,
+        inbox = Inbox(
+            remote=remote.values(),
             group=self.group,
             timeout_s=context.config.launch.timeout_s,
+            read_body=sparse_reader(self.on_server[server]),
         )
-        outbox = Outbox(remote=remote, local_worker=local_worker, group=self.group)
-        shard = SparseShard(
-            self.on_server[server], spec["initial"], momentum=context.config.optim.momentum
+        outbox = Outbox(
+            ranks=remote,
+            group=self.group,
+            tag=TAG_REPLY,
+            local_peer=local_worker,
+            deliver_local=None if local_worker is None else self._local_replies.put,
         )
-        writer = MetricsWriter(Path(context.config.out), context.rank, prefix="server")
-        last = [time.perf_counter()]
-
-        def on_round(step: int, tally: Any) -> None:
-            now = time.perf_counter()
-            writer.write(
-                ServerRecord(
-                    step=step,
-                    rank=context.rank,
-                    server=server,
-                    bytes_recv=tally.bytes_recv,
-                    bytes_sent=tally.bytes_sent,
-                    busy_s=tally.busy_s,
-                    step_time_s=now - last[0],
-                )
-            )
-            last[0] = now
-
-        self._writer = writer
-        return SparseServer(
-            shard=shard,
-            inbox=inbox,
-            outbox=outbox,
+        shard = SparseShard(self.on_server[server], initial, momentum=context.config.optim.momentum)
+        policy = SparseServer(
+            shard,
+            outbox,
+            ServerMetrics.to_file(context.config.out, rank=context.rank, server=server),
             pushers=self.pushers,
-            num_workers=workers,
             scale=1.0 / workers if self.options.average_sparse else 1.0,
             timeline=context.timeline,
             track=f"sparse-server{server}",
-            on_round=on_round,
         )
+        return inbox, policy
 
     # -- dedicated server rank -----------------------------------------------------------
 
     def serve(self, context: Context) -> None:
         self._join(context, is_worker=False)
-        spec = self._receive_spec(None)
+        initial = self._receive_spec(None)
         server = self.server_ranks.index(context.rank)
-        try:
-            self._make_server(server, spec, local_worker=None).run()
-        finally:
-            self._writer.close()
+        inbox, policy = self._server(server, initial, local_worker=None)
+        del initial
+        serve(inbox, policy, num_workers=context.num_workers)
 
     # -- worker ----------------------------------------------------------------------------
 
@@ -337,7 +318,8 @@ class Hybrid(Strategy):
         self.updater = context.make_updater([p for _, p in dense] or [self._placeholder])
         self._step = 0
         self._connected = False
-        self._server_thread: threading.Thread | None = None
+        self._colocated: ColocatedServer | None = None
+        self._to_load: dict[str, Tensor] | None = None
         if not self.sparse_names:
             return model
         self._join(context, is_worker=True)
@@ -360,13 +342,17 @@ class Hybrid(Strategy):
             choice = None
             count = self.options.partitions
             if count is None:
-                choice = choose_num_partitions(variables, touched, num_servers=self.num_servers)
+                widest = max(v.row_numel for v in variables)
+                apply_cost = measure_apply_cost(widest, momentum=context.config.optim.momentum)
+                choice = choose_num_partitions(
+                    variables, touched, num_servers=self.num_servers, apply_cost=apply_cost
+                )
                 count = choice.num_partitions
             spec = {
                 "variables": [(v.name, v.num_rows, v.row_numel, v.element_size) for v in variables],
                 "num_partitions": count,
                 "kinds": self.kinds,
-                "initial": {n: self.params[n].detach().clone() for n in self.sparse_names},
+                "initial": {n: self.params[n].detach() for n in self.sparse_names},
             }
             where = "colocated on the workers" if self.options.colocate else "dedicated ranks"
             how = "--partitions" if choice is None else f"cost model: {choice.describe()}"
@@ -376,42 +362,33 @@ class Hybrid(Strategy):
                 f"pushers (local aggregation) {self.pushers}",
                 flush=True,
             )
-        spec = self._receive_spec(spec)
-        if spec["kinds"] != self.kinds:
+        initial = self._receive_spec(spec)
+        if self.spec_kinds != self.kinds:
             raise RuntimeError(
                 f"rank {context.rank} classified the variables differently "
-                f"from rank 0: {self.kinds} vs {spec['kinds']}"
+                f"from rank 0: {self.kinds} vs {self.spec_kinds}"
             )
-        local = None
-        if self.options.colocate:
-            server = self._make_server(context.rank, spec, local_worker=context.worker_index)
-            local = (server.inbox, server.outbox)
-            self._server_thread = threading.Thread(
-                target=self._serve_or_die, args=(server,), name="sparse-server", daemon=True
-            )
-            self._server_thread.start()
+        colocate = self.options.colocate
         self.client = SparseClient(
             worker=context.worker_index,
-            servers=[None if local and r == context.rank else r for r in self.server_ranks],
+            servers=[None if colocate and r == context.rank else r for r in self.server_ranks],
             partitions=self.on_server,
             group=self.group,
             timeout_s=context.config.launch.timeout_s,
-            local=local,
-            alive=lambda: self._server_thread is not None and self._server_thread.is_alive(),
+            alive=lambda: self._colocated is not None and self._colocated.alive(),
         )
+        self._local_replies = self.client.local_replies
+        if colocate:
+            inbox, policy = self._server(context.rank, initial, context.worker_index)
+            self.client.local_inbox = inbox
+            self._colocated = ColocatedServer(
+                lambda: serve(inbox, policy, num_workers=context.num_workers),
+                name=f"sparse server {context.rank}",
+            )
         self._connected = True
-
-    def _serve_or_die(self, server: SparseServer) -> None:
-        try:
-            server.run()
-        except BaseException:
-            # A colocated server that fails must end the job now: its peers wait on it.
-            print("colocated sparse server failed:", file=sys.stderr)
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        finally:
-            self._writer.close()
+        if self._to_load is not None:
+            self.client.load_state(self._server_states(self._to_load))
+            self._to_load = None
 
     def _pull_rows(self, name: str, lookup: Tensor) -> None:
         """Forward pre-hook of a sparse lookup: fetch exactly the rows it is about to read."""
@@ -582,14 +559,31 @@ class Hybrid(Strategy):
             tensors[PARAM + name] = self.params[name].detach().clone()
         return {k: v.contiguous() for k, v in tensors.items()}
 
+    def load_checkpoint_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Worker 0, after setup: the servers take their rows and momentum from a
+        checkpoint (keys of :meth:`checkpoint_tensors`) when they start (first step)."""
+        self._to_load = tensors
+
+    def _server_states(self, tensors: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        """Each server's state (keys of ``SparseShard.state_tensors``) from a checkpoint."""
+        states: list[dict[str, Tensor]] = []
+        for parts in self.on_server:
+            state = {}
+            for i, p in enumerate(parts):
+                rows = slice(p.start, p.stop)
+                state[f"{i}/values"] = tensors[PARAM + p.name].view(-1, p.row_numel)[rows]
+                buffer = tensors.get(f"{OPTIM}{p.name}/momentum_buffer")
+                if buffer is not None:
+                    state[f"{i}/momentum_buffer"] = buffer.view(-1, p.row_numel)[rows]
+            states.append(state)
+        return states
+
     def finish(self) -> None:
         if not self._connected:
             return
         self.client.done()
-        if self._server_thread is not None:
-            self._server_thread.join(timeout=self.context.config.launch.timeout_s)
-            if self._server_thread.is_alive():
-                raise RuntimeError("the colocated sparse server did not finish in time")
+        if self._colocated is not None:
+            self._colocated.join(self.context.config.launch.timeout_s)
 
 
 __all__ = ["Hybrid", "classify", "describe_classification"]
