@@ -18,7 +18,6 @@ with a REPLY carrying the fresh values and the learning rate it applied. Two upd
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,16 +31,11 @@ from gradsync.comm.wire import (
     TAG_PUSH,
     TAG_REPLY,
     Header,
-    Inbox,
     Kind,
     Message,
     Outbox,
     Recv,
-    decode_state,
-    encode_state,
-    receive,
-    send,
-    wait_local,
+    ServerLinks,
 )
 from gradsync.trace import NullTimeline, Phase
 
@@ -150,35 +144,23 @@ class DenseServer(ServerPolicy):
         self.state.load_state_tensors(tensors)
 
 
-class Client:
+class Client(ServerLinks):
     """A worker's end: push gradients to every server, pull their values back.
 
     ``sizes`` are the values per server (pulls), ``push_sizes`` the push payloads (values
-    and flags). ``servers`` lists each server's global rank (None for the server in this
-    process, whose inbox is ``local_inbox`` and whose replies arrive in ``local_replies``).
+    and flags); the rest as :class:`~gradsync.comm.wire.ServerLinks`.
     """
 
     def __init__(
         self,
         *,
-        worker: int,
         sizes: Sequence[int],
         push_sizes: Sequence[int],
-        servers: Sequence[int | None],
-        group: Any,
-        timeout_s: float,
-        local_inbox: Inbox | None = None,
-        alive: Callable[[], bool] = lambda: True,
         timeline: NullTimeline | None = None,
+        **links: Any,
     ) -> None:
-        self.worker = worker
+        super().__init__(**links)
         self.timeline = timeline or NullTimeline()
-        self.servers = list(servers)
-        self.group = group
-        self.timeout_s = timeout_s
-        self.local_inbox = local_inbox
-        self.local_replies: queue.Queue[Message] = queue.Queue()
-        self.alive = alive
         self.push_buffers = [torch.zeros(n) for n in push_sizes]
         self.pull_buffers = [torch.zeros(n) for n in sizes]
         self.lr = 0.0
@@ -207,7 +189,7 @@ class Client:
         encoded = header.encode()
         for index, (rank, push) in enumerate(zip(self.servers, self.push_buffers, strict=True)):
             if rank is None:
-                self._local(Message(header, [push.clone()]))
+                self.send(index, header, [push.clone()])
                 continue
             nbytes = encoded.numel() * 8 + push.numel() * push.element_size()
             timeline.begin(
@@ -220,7 +202,7 @@ class Client:
             sent += nbytes
         for index, rank in enumerate(self.servers):
             if rank is None:
-                reply = self._local_reply()
+                reply = self.local_reply()
                 self.pull_buffers[index].copy_(reply.tensors[0])
                 self.lr = reply.header.lr
         for index, works in pushes:
@@ -233,46 +215,6 @@ class Client:
             timeline.end(f"pull from server {index}", Phase.PULL)
             self.lr = Header.decode(headers[index]).lr
         return sent, received
-
-    def request_state(self) -> list[dict[str, Tensor]]:
-        """Every server's authoritative state (values and optimizer state), in server order."""
-        self._tell_all(Header(Kind.STATE, worker=self.worker))
-        states = []
-        for rank in self.servers:
-            if rank is None:
-                message = self._local_reply()
-            else:
-                message = receive(rank, self.group, TAG_REPLY, lambda h, r: [])
-            states.append(decode_state(message.tensors[0]))
-        return states
-
-    def load_state(self, states: Sequence[dict[str, Tensor]]) -> None:
-        """Install ``states[s]`` on server s (resume); before the first push."""
-        for rank, state in zip(self.servers, states, strict=True):
-            data = encode_state(state)
-            header = Header(Kind.LOAD, worker=self.worker, length=data.numel())
-            self._send(rank, header, [data])
-
-    def done(self) -> None:
-        """Tell every server this worker has finished (its last push was answered)."""
-        self._tell_all(Header(Kind.DONE, worker=self.worker))
-
-    def _tell_all(self, header: Header) -> None:
-        for rank in self.servers:
-            self._send(rank, header, [])
-
-    def _send(self, rank: int | None, header: Header, tensors: list[Tensor]) -> None:
-        if rank is None:
-            self._local(Message(header, tensors))
-        else:
-            send(header, tensors, dst=rank, group=self.group, tag=TAG_PUSH)
-
-    def _local(self, message: Message) -> None:
-        assert self.local_inbox is not None
-        self.local_inbox.put_local(message)
-
-    def _local_reply(self) -> Message:
-        return wait_local(self.local_replies, self.alive, self.timeout_s)
 
 
 __all__ = ["Client", "DenseServer", "dense_reader"]

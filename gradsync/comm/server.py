@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from gradsync.checkpoint import BUFFER, OPTIM, PARAM
 from gradsync.comm.objects import broadcast_json, broadcast_tensors
-from gradsync.comm.wire import Inbox, Kind, Message, Outbox, decode_state
+from gradsync.comm.wire import TAG_REPLY, Inbox, Kind, Message, Outbox, ReadBody, decode_state
 from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
 
@@ -453,6 +453,31 @@ def serve(inbox: Inbox, policy: ServerPolicy, *, num_workers: int) -> None:
         policy.metrics.close()
 
 
+def endpoints(
+    *,
+    num_workers: int,
+    local_worker: int | None,
+    group: Any,
+    timeout_s: float,
+    read_body: ReadBody,
+    deliver_local: Callable[[Message], None] | None = None,
+    reply_group: Any = None,
+) -> tuple[Inbox, Outbox]:
+    """A server's inbox (receivers from every worker but ``local_worker``) and outbox
+    (replies on ``reply_group``, default ``group``; ``local_worker``'s to ``deliver_local``).
+    Worker k is global rank k."""
+    remote = {w: w for w in range(num_workers) if w != local_worker}
+    inbox = Inbox(remote=remote.values(), group=group, timeout_s=timeout_s, read_body=read_body)
+    outbox = Outbox(
+        ranks=remote,
+        group=group if reply_group is None else reply_group,
+        tag=TAG_REPLY,
+        local_peer=local_worker,
+        deliver_local=deliver_local,
+    )
+    return inbox, outbox
+
+
 class ColocatedServer:
     """A server running in a thread of a worker process.
 
@@ -495,6 +520,7 @@ __all__ = [
     "adopt_initial",
     "assemble_checkpoint",
     "assemble_variable",
+    "endpoints",
     "lay_out",
     "serve",
     "share_initial",

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import itertools
 import math
-import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,19 +45,13 @@ from gradsync.comm.placement import Variable, partition_variables, place_round_r
 from gradsync.comm.server import Gather, ServerMetrics, ServerPolicy
 from gradsync.comm.wire import (
     HEADER,
-    TAG_PUSH,
     TAG_REPLY,
     Header,
-    Inbox,
     Kind,
     Message,
     Outbox,
     Recv,
-    decode_state,
-    encode_state,
-    receive,
-    send,
-    wait_local,
+    ServerLinks,
 )
 from gradsync.trace import NullTimeline, Phase
 
@@ -454,58 +447,35 @@ class SparseServer(ServerPolicy):
 # -- the worker's end ---------------------------------------------------------------------
 
 
-class SparseClient:
+class SparseClient(ServerLinks):
     """A worker's end: push coalesced rows to servers, pull the rows a lookup needs.
 
-    ``servers`` lists each server's global rank (None: the server in this process, whose
-    inbox is ``local_inbox``; its replies arrive in ``local_replies``); ``partitions[s]``
-    are server s's.
+    ``partitions[s]`` are server s's; the rest as :class:`~gradsync.comm.wire.ServerLinks`.
     """
 
-    def __init__(
-        self,
-        *,
-        worker: int,
-        servers: Sequence[int | None],
-        partitions: Sequence[Sequence[RowPartition]],
-        group: Any,
-        timeout_s: float,
-        local_inbox: Inbox | None = None,
-        alive: Callable[[], bool] = lambda: True,
-    ) -> None:
-        self.worker = worker
-        self.servers = list(servers)
+    def __init__(self, *, partitions: Sequence[Sequence[RowPartition]], **links: Any) -> None:
+        super().__init__(**links)
         self.partitions = [list(p) for p in partitions]
-        self.group = group
-        self.timeout_s = timeout_s
-        self.local_inbox = local_inbox
-        self.local_replies: queue.Queue[Message] = queue.Queue()
-        self.alive = alive
 
-    def _send(
+    def _send_rows(
         self,
         server: int,
         header: Header,
-        indices: Sequence[Tensor] = (),
+        indices: Sequence[Tensor],
         values: Sequence[Tensor] | None = None,
         present: Sequence[bool] | None = None,
     ) -> int:
-        tensors: list[Tensor] = []
-        if header.kind in (Kind.PUSH, Kind.PULL):
-            counts = [float(len(i)) for i in indices]
-            flags = [float(p) for p in present] if present is not None else [0.0] * len(counts)
-            tensors.append(torch.tensor([*counts, *flags], dtype=torch.float64))
-            if sum(counts):
-                tensors.append(torch.cat(list(indices)))
-                if values is not None:
-                    flat = torch.cat([v.reshape(-1) for v in values])
-                    tensors.append(flat.to(torch.get_default_dtype()))
-        rank = self.servers[server]
-        if rank is None:
-            assert self.local_inbox is not None
-            self.local_inbox.put_local(Message(header, [t.clone() for t in tensors]))
-            return 0
-        return send(header, tensors, dst=rank, group=self.group, tag=TAG_PUSH)
+        counts = [float(len(i)) for i in indices]
+        flags = [float(p) for p in present] if present is not None else [0.0] * len(counts)
+        tensors = [torch.tensor([*counts, *flags], dtype=torch.float64)]
+        if sum(counts):
+            tensors.append(torch.cat(list(indices)))
+            if values is not None:
+                flat = torch.cat([v.reshape(-1) for v in values])
+                tensors.append(flat.to(torch.get_default_dtype()))
+        if self.servers[server] is None:  # the server keeps what it gets: private copies
+            tensors = [t.clone() for t in tensors]
+        return self.send(server, header, tensors)
 
     def push(
         self,
@@ -518,7 +488,7 @@ class SparseClient:
         variables had a gradient (``present[s][i]``); returns wire bytes."""
         header = Header(Kind.PUSH, worker=self.worker, step=step, lr=lr)
         return sum(
-            self._send(s, header, [i for i, _ in parts], [v for _, v in parts], flags)
+            self._send_rows(s, header, [i for i, _ in parts], [v for _, v in parts], flags)
             for s, (parts, flags) in enumerate(zip(rows, present, strict=True))
         )
 
@@ -543,48 +513,13 @@ class SparseClient:
                 received += HEADER * 8 + width * replies[s].element_size()
         header = Header(Kind.PULL, worker=self.worker, step=step)
         for s in asked:
-            sent += self._send(s, header, wanted[s])
+            sent += self._send_rows(s, header, wanted[s])
         for s in asked:
             if self.servers[s] is None:
-                replies[s] = self._local_reply().tensors[0]
+                replies[s] = self.local_reply().tensors[0]
         for work in works:
             work.wait()
         return replies, sent, received
-
-    def request_state(self, step: int) -> list[dict[str, Tensor]]:
-        """Every server's partitions (values, momentum) once it has applied ``step`` steps."""
-        for s in range(len(self.servers)):
-            self._send(s, Header(Kind.STATE, worker=self.worker, step=step))
-        states = []
-        for rank in self.servers:
-            if rank is None:
-                message = self._local_reply()
-            else:
-                message = receive(rank, self.group, TAG_REPLY, lambda h, r: [])
-            states.append(decode_state(message.tensors[0]))
-        return states
-
-    def load_state(self, states: Sequence[dict[str, Tensor]]) -> None:
-        """Install ``states[s]`` on server s (resume), before the first push or pull."""
-        for s, state in enumerate(states):
-            data = encode_state(state)
-            self._send_raw(s, Header(Kind.LOAD, worker=self.worker, length=data.numel()), data)
-
-    def _send_raw(self, server: int, header: Header, data: Tensor) -> None:
-        rank = self.servers[server]
-        if rank is None:
-            assert self.local_inbox is not None
-            self.local_inbox.put_local(Message(header, [data]))
-        else:
-            send(header, [data], dst=rank, group=self.group, tag=TAG_PUSH)
-
-    def done(self) -> None:
-        """Tell every server this worker has finished."""
-        for s in range(len(self.servers)):
-            self._send(s, Header(Kind.DONE, worker=self.worker))
-
-    def _local_reply(self) -> Message:
-        return wait_local(self.local_replies, self.alive, self.timeout_s)
 
 
 __all__ = [

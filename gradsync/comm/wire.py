@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -308,6 +308,71 @@ class Outbox:
         self._pending = []
 
 
+class ServerLinks:
+    """A worker's end of its links to every server.
+
+    ``servers`` lists each server's global rank, None for the server in this process (its
+    inbox is :attr:`local_inbox`, set once it exists; its replies arrive in
+    :attr:`local_replies`). Strategies add their pushes and pulls; the requests every
+    strategy shares are here.
+    """
+
+    def __init__(
+        self,
+        *,
+        worker: int,
+        servers: Sequence[int | None],
+        group: Any,
+        timeout_s: float,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.worker = worker
+        self.servers = list(servers)
+        self.group = group
+        self.timeout_s = timeout_s
+        self.alive = alive
+        self.local_inbox: Inbox | None = None
+        self.local_replies: queue.Queue[Message] = queue.Queue()
+
+    def send(self, server: int, header: Header, tensors: Sequence[Tensor] = ()) -> int:
+        """Blocking send to server ``server`` (or a hand-over); returns the wire bytes."""
+        rank = self.servers[server]
+        if rank is None:
+            assert self.local_inbox is not None
+            self.local_inbox.put_local(Message(header, list(tensors)))
+            return 0
+        return send(header, tensors, dst=rank, group=self.group, tag=TAG_PUSH)
+
+    def request_state(self, step: int = -1) -> list[dict[str, Tensor]]:
+        """Every server's state (checkpoint), in server order, once it has applied
+        ``step`` steps (servers that answer at once ignore it)."""
+        for server in range(len(self.servers)):
+            self.send(server, Header(Kind.STATE, worker=self.worker, step=step))
+        states = []
+        for rank in self.servers:
+            if rank is None:
+                message = self.local_reply()
+            else:
+                message = receive(rank, self.group, TAG_REPLY, lambda header, recv: [])
+            states.append(decode_state(message.tensors[0]))
+        return states
+
+    def load_state(self, states: Sequence[dict[str, Tensor]]) -> None:
+        """Install ``states[s]`` on server s (resume); before the first push or pull."""
+        for server, state in enumerate(states):
+            data = encode_state(state)
+            self.send(server, Header(Kind.LOAD, worker=self.worker, length=data.numel()), [data])
+
+    def done(self) -> None:
+        """Tell every server this worker has finished."""
+        for server in range(len(self.servers)):
+            self.send(server, Header(Kind.DONE, worker=self.worker))
+
+    def local_reply(self) -> Message:
+        """The next reply of this process's server."""
+        return wait_local(self.local_replies, self.alive, self.timeout_s)
+
+
 def wait_local(replies: queue.Queue[Any], alive: Callable[[], bool], timeout_s: float) -> Any:
     """The next reply of this rank's colocated server thread, noticing at once if it died."""
     waited = 0.0
@@ -331,6 +396,7 @@ __all__ = [
     "Message",
     "Outbox",
     "ReadBody",
+    "ServerLinks",
     "TransportError",
     "decode_state",
     "encode_state",

@@ -22,6 +22,8 @@ from torch import nn
 
 from gradsync.checkpoint import model_state
 from gradsync.comm.counters import CommStats
+from gradsync.comm.server import ColocatedServer, ServerPolicy, serve
+from gradsync.comm.wire import Inbox
 from gradsync.config import TrainConfig
 from gradsync.optim import Updater
 from gradsync.trace import NullTimeline
@@ -128,6 +130,40 @@ class Strategy(ABC):
         """``param/``, ``buffer/`` and ``optim/`` tensors to save from this rank, or None."""
         state = self.checkpoint_state()
         return None if state is None else model_state(*state)
+
+
+class ServerStrategy(Strategy):
+    """A strategy with server ranks (``ps``, ``hybrid``, ``p3``) on the toolkit of
+    :mod:`gradsync.comm.server`: it says how server s is built (:meth:`_server`); this class
+    runs it on a dedicated rank or in a thread of a worker (colocated)."""
+
+    server_ranks: list[int]  # server s → its global rank (the worker's own when colocated)
+
+    def _server(
+        self, server: int, initial: dict[str, torch.Tensor], local_worker: int | None
+    ) -> tuple[Inbox, ServerPolicy]:
+        """Server ``server``'s inbox and policy, from the shared initial values;
+        ``local_worker`` shares its process (colocated)."""
+        raise NotImplementedError
+
+    def _run_dedicated(self, context: Context, initial: dict[str, torch.Tensor]) -> None:
+        """This rank is a server: answer the workers until every one of them is done."""
+        inbox, policy = self._server(self.server_ranks.index(context.rank), initial, None)
+        initial.clear()  # the policy holds its own copy of its part
+        serve(inbox, policy, num_workers=context.num_workers)
+
+    def _start_colocated(
+        self, context: Context, initial: dict[str, torch.Tensor]
+    ) -> tuple[Inbox, ColocatedServer]:
+        """Start this worker's server in a thread; returns its inbox (for this worker's
+        messages) and the thread."""
+        server = self.server_ranks.index(context.rank)
+        inbox, policy = self._server(server, initial, context.worker_index)
+        thread = ColocatedServer(
+            lambda: serve(inbox, policy, num_workers=context.num_workers),
+            name=f"{self.name} server {server}",
+        )
+        return inbox, thread
 
 
 def broadcast_parameters(model: nn.Module, group: Any = None) -> None:

@@ -40,7 +40,7 @@ from gradsync.comm.counters import CommStats
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.groups import node_local_group
 from gradsync.comm.objects import broadcast_json, broadcast_tensors
-from gradsync.comm.server import ColocatedServer, ServerMetrics, serve
+from gradsync.comm.server import ColocatedServer, ServerMetrics, endpoints
 from gradsync.comm.sparse import (
     RowPartition,
     SparseClient,
@@ -55,11 +55,11 @@ from gradsync.comm.sparse import (
     split_rows,
     sum_rows,
 )
-from gradsync.comm.wire import TAG_REPLY, Inbox, Outbox
+from gradsync.comm.wire import Inbox
 from gradsync.config import HybridConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.probe import lookup_tables
-from gradsync.strategies.base import Context, Strategy, broadcast_parameters
+from gradsync.strategies.base import Context, ServerStrategy, broadcast_parameters
 from gradsync.trace import COMPUTE, Phase
 
 # -- classification (pure) ------------------------------------------------------------------
@@ -147,7 +147,7 @@ def _has_sparse(config: TrainConfig) -> bool:
 # -- the strategy ---------------------------------------------------------------------------
 
 
-class Hybrid(Strategy):
+class Hybrid(ServerStrategy):
     """Sparse variables via row-partitioned servers, dense ones via fused allreduce."""
 
     name = "hybrid"
@@ -243,18 +243,12 @@ class Hybrid(Strategy):
         """Server ``server``'s inbox and policy (``local_worker`` shares its process)."""
         context = self.context
         workers = context.num_workers
-        remote = {w: w for w in range(workers) if w != local_worker}
-        inbox = Inbox(
-            remote=remote.values(),
+        inbox, outbox = endpoints(
+            num_workers=workers,
+            local_worker=local_worker,
             group=self.group,
             timeout_s=context.config.launch.timeout_s,
             read_body=sparse_reader(self.on_server[server]),
-        )
-        outbox = Outbox(
-            ranks=remote,
-            group=self.group,
-            tag=TAG_REPLY,
-            local_peer=local_worker,
             deliver_local=None if local_worker is None else self._local_replies.put,
         )
         shard = SparseShard(self.on_server[server], initial, momentum=context.config.optim.momentum)
@@ -273,11 +267,7 @@ class Hybrid(Strategy):
 
     def serve(self, context: Context) -> None:
         self._join(context, is_worker=False)
-        initial = self._receive_spec(None)
-        server = self.server_ranks.index(context.rank)
-        inbox, policy = self._server(server, initial, local_worker=None)
-        del initial
-        serve(inbox, policy, num_workers=context.num_workers)
+        self._run_dedicated(context, self._receive_spec(None))
 
     # -- worker ----------------------------------------------------------------------------
 
@@ -379,12 +369,7 @@ class Hybrid(Strategy):
         )
         self._local_replies = self.client.local_replies
         if colocate:
-            inbox, policy = self._server(context.rank, initial, context.worker_index)
-            self.client.local_inbox = inbox
-            self._colocated = ColocatedServer(
-                lambda: serve(inbox, policy, num_workers=context.num_workers),
-                name=f"sparse server {context.rank}",
-            )
+            self.client.local_inbox, self._colocated = self._start_colocated(context, initial)
         self._connected = True
         if self._to_load is not None:
             self.client.load_state(self._server_states(self._to_load))

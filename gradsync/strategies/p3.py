@@ -56,7 +56,7 @@ from gradsync.comm.server import (
     ShardState,
     adopt_initial,
     assemble_checkpoint,
-    serve,
+    endpoints,
     share_initial,
     split_variable,
     sum_in_order,
@@ -66,11 +66,11 @@ from gradsync.comm.wire import (
     TAG_PUSH,
     TAG_REPLY,
     Header,
-    Inbox,
     Kind,
     Message,
     Outbox,
     Recv,
+    ServerLinks,
     TransportError,
     decode_state,
     encode_state,
@@ -80,7 +80,7 @@ from gradsync.comm.wire import (
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
-from gradsync.strategies.base import Context, Strategy
+from gradsync.strategies.base import Context, ServerStrategy
 from gradsync.trace import COMPUTE, NullTimeline, Phase
 
 LAST = 2**40  # priority of control messages: after every slice
@@ -192,7 +192,7 @@ class P3Server(ServerPolicy):
         self.replies.close(timeout_s=self.timeout_s)
 
 
-class PriorityPropagation(Strategy):
+class PriorityPropagation(ServerStrategy):
     """Sliced parameter server; slices sent in layer order; forward waits per layer."""
 
     name = "p3"
@@ -263,18 +263,13 @@ class PriorityPropagation(Strategy):
             for s in self.slices
             if s.server == server
         }
-        remote = {w: w for w in range(workers) if w != local_worker}
-        inbox = Inbox(
-            remote=remote.values(),
+        inbox, outbox = endpoints(
+            num_workers=workers,
+            local_worker=local_worker,
             group=self.push_group,
+            reply_group=self.pull_group,
             timeout_s=self.timeout_s,
             read_body=_slice_reader,
-        )
-        outbox = Outbox(
-            ranks=remote,
-            group=self.pull_group,
-            tag=TAG_REPLY,
-            local_peer=local_worker,
             deliver_local=None if local_worker is None else self._on_local_reply,
         )
         policy = self.server_policy(
@@ -290,11 +285,7 @@ class PriorityPropagation(Strategy):
         return inbox, policy
 
     def serve(self, context: Context) -> None:
-        initial = self._connect(context, None)
-        server = self.server_ranks.index(context.rank)
-        inbox, policy = self._server(server, initial, local_worker=None)
-        del initial
-        serve(inbox, policy, num_workers=context.num_workers)
+        self._run_dedicated(context, self._connect(context, None))
 
     # -- worker --------------------------------------------------------------------------
 
@@ -326,16 +317,16 @@ class PriorityPropagation(Strategy):
         self._exposed_s = 0.0
         self._states: list[queue.Queue[Tensor]] = [queue.Queue() for _ in self.server_ranks]
         self._local_server: int | None = None
-        self._local_inbox: Inbox | None = None
         self._colocated: ColocatedServer | None = None
+        self.links = ServerLinks(
+            worker=self.worker,
+            servers=[None if r == context.rank else r for r in self.server_ranks],
+            group=self.push_group,
+            timeout_s=self.timeout_s,
+        )
         if context.config.p3.colocate:
             self._local_server = self.server_ranks.index(context.rank)
-            inbox, policy = self._server(self._local_server, initial, self.worker)
-            self._local_inbox = inbox
-            self._colocated = ColocatedServer(
-                lambda: serve(inbox, policy, num_workers=context.num_workers),
-                name=f"p3 server {self._local_server}",
-            )
+            self.links.local_inbox, self._colocated = self._start_colocated(context, initial)
         del initial
         self.sender = PrioritySender(
             self._send_slice,
@@ -398,17 +389,17 @@ class PriorityPropagation(Strategy):
     def _send_slice(self, item: Any, record: SendRecord):
         if item[0] == "control":
             _, kind, server = item
-            self._deliver(server, Header(kind, worker=self.worker), [])
+            self.links.send(server, Header(kind, worker=self.worker), [])
             return None
         s, step, layer, flat_grad = item
         if flat_grad is None:  # no gradient: a header alone, the server expects every slice
             header = Header(Kind.NO_GRADIENT, self.worker, step, s.index, layer)
-            self._bytes_sent += self._deliver(s.server, header, [])
+            self._bytes_sent += self.links.send(s.server, header, [])
             return None
         payload = flat_grad[s.start : s.stop]
         header = Header(Kind.PUSH, self.worker, step, s.index, layer, s.numel)
         if s.server == self._local_server:
-            self._deliver(s.server, header, [payload])
+            self.links.send(s.server, header, [payload])  # the server reads it, never writes
             return None
         track = f"p3 push {record.seq % SEND_WINDOW}"  # one track per slice in flight
         self.timeline.begin(
@@ -437,18 +428,6 @@ class PriorityPropagation(Strategy):
             self._bytes_sent += nbytes(encoded) + nbytes(payload)
 
         return finish
-
-    def _deliver(self, server: int, header: Header, tensors: list[Tensor]) -> int:
-        """A blocking send to ``server`` (or a hand-over to this process's server)."""
-        if server == self._local_server:
-            assert self._local_inbox is not None
-            self._local_inbox.put_local(Message(header, tensors))
-            return 0
-        dst, sent = self.server_ranks[server], 0
-        for tensor in (header.encode(), *tensors):
-            dist.send(tensor, dst=dst, group=self.push_group, tag=TAG_PUSH)
-            sent += nbytes(tensor)
-        return sent
 
     def _read_reply(self, server: int, header: Header, recv: Recv) -> list[Tensor]:
         """A reply's payload goes straight into the parameter: nothing reads it until its
@@ -574,15 +553,11 @@ class PriorityPropagation(Strategy):
     def load_checkpoint_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Worker 0, after setup and before the first step: install a checkpoint's values
         and optimizer state (keys of :meth:`checkpoint_tensors`) on every server."""
-        for server in range(self.num_servers):
-            state = {
-                f"{s.index}/{key}": value
-                for s in self.slices
-                if s.server == server
-                for key, value in split_variable(tensors, [_piece(s)]).items()
-            }
-            data = encode_state(state)
-            self._deliver(server, Header(Kind.LOAD, self.worker, length=data.numel()), [data])
+        states: list[dict[str, Tensor]] = [{} for _ in range(self.num_servers)]
+        for s in self.slices:
+            for key, value in split_variable(tensors, [_piece(s)]).items():
+                states[s.server][f"{s.index}/{key}"] = value
+        self.links.load_state(states)
 
     def _get_state(self, server: int) -> Tensor:
         deadline = time.perf_counter() + self.timeout_s

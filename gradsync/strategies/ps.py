@@ -32,20 +32,19 @@ from gradsync.comm.server import (
     ShardState,
     adopt_initial,
     assemble_checkpoint,
+    endpoints,
     lay_out,
-    serve,
     share_initial,
     split_variable,
 )
-from gradsync.comm.wire import TAG_REPLY, Inbox, Outbox
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
-from gradsync.strategies.base import Context, Strategy
+from gradsync.strategies.base import Context, ServerStrategy
 from gradsync.trace import COMPUTE, Phase
 
 
-class ParameterServer(Strategy):
+class ParameterServer(ServerStrategy):
     """Workers push gradients to sharded servers and pull parameters back."""
 
     name = "ps"
@@ -114,18 +113,12 @@ class ParameterServer(Strategy):
             lambda ps: Updater(ps, config.optim, lr=self.lr0),
             sizes=[p.numel for p in pieces],
         )
-        remote = {w: w for w in range(workers) if w != local_worker}
-        inbox = Inbox(
-            remote=remote.values(),
+        inbox, outbox = endpoints(
+            num_workers=workers,
+            local_worker=local_worker,
             group=self.group,
             timeout_s=config.launch.timeout_s,
             read_body=dense_reader(push_size(pieces)),
-        )
-        outbox = Outbox(
-            ranks=remote,
-            group=self.group,
-            tag=TAG_REPLY,
-            local_peer=local_worker,
             deliver_local=None if local_worker is None else self._local_replies.put,
         )
         policy = DenseServer(
@@ -143,11 +136,7 @@ class ParameterServer(Strategy):
     # -- dedicated server rank -----------------------------------------------------------
 
     def serve(self, context: Context) -> None:
-        initial = self._connect(context, None)
-        server = self.server_ranks.index(context.rank)
-        inbox, policy = self._server(server, initial, local_worker=None)
-        del initial
-        serve(inbox, policy, num_workers=context.num_workers)
+        self._run_dedicated(context, self._connect(context, None))
 
     # -- worker --------------------------------------------------------------------------
 
@@ -172,12 +161,7 @@ class ParameterServer(Strategy):
         self._local_replies = self.client.local_replies
         self._colocated: ColocatedServer | None = None
         if context.config.ps.colocate:
-            inbox, policy = self._server(context.rank, initial, context.worker_index)
-            self.client.local_inbox = inbox
-            self._colocated = ColocatedServer(
-                lambda: serve(inbox, policy, num_workers=context.num_workers),
-                name=f"parameter server {context.rank}",
-            )
+            self.client.local_inbox, self._colocated = self._start_colocated(context, initial)
         self._step = 0
         return model
 
