@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gradsync.comm.groups import NodeGroup
 from gradsync.comm.lazy import LazyMomentumRows
 from gradsync.comm.placement import Variable, partition_variables, place_round_robin
 from gradsync.comm.server import Gather, ServerMetrics, ServerPolicy
@@ -153,6 +154,56 @@ def split_rows(
     return [
         (indices[a:b], None if values is None else values[a:b]) for a, b in itertools.pairwise(cuts)
     ]
+
+
+def gather_rows_on_node(
+    rows: dict[str, tuple[Tensor, Tensor]],
+    present: dict[str, bool],
+    num_rows: dict[str, int],
+    node: NodeGroup,
+) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, bool], int]:
+    """Collective over ``node``: every member's coalesced rows per variable (in
+    ``num_rows``' order), summed in member order (the same sum on every run), whether any
+    member had a gradient per variable, and the bytes this rank moved.
+
+    Three all-gathers: the row counts and flags, then the indices and values padded to
+    the longest member's.
+    """
+    names = list(num_rows)
+    counts = torch.tensor(
+        [len(rows[n][0]) for n in names] + [int(present[n]) for n in names], dtype=torch.long
+    )
+    all_counts = [torch.zeros_like(counts) for _ in node.ranks]
+    dist.all_gather(all_counts, counts, group=node.group)
+    widths = [rows[n][1].shape[1] for n in names]  # values are [rows, row_numel]
+    anywhere = {n: any(int(c[len(names) + i]) for c in all_counts) for i, n in enumerate(names)}
+    all_counts = [c[: len(names)] for c in all_counts]
+    max_idx = max(int(c.sum()) for c in all_counts)
+    max_val = max(sum(int(k) * w for k, w in zip(c, widths, strict=True)) for c in all_counts)
+    idx = torch.zeros(max_idx, dtype=torch.long)
+    val = torch.zeros(max_val)
+    flat_idx = torch.cat([rows[n][0] for n in names])
+    flat_val = torch.cat([rows[n][1].reshape(-1) for n in names])
+    idx[: len(flat_idx)] = flat_idx
+    val[: len(flat_val)] = flat_val
+    all_idx = [torch.empty_like(idx) for _ in node.ranks]
+    all_val = [torch.empty_like(val) for _ in node.ranks]
+    dist.all_gather(all_idx, idx, group=node.group)
+    dist.all_gather(all_val, val, group=node.group)
+    moved = (len(node.ranks) - 1) * (
+        idx.numel() * 8 + val.numel() * val.element_size() + counts.numel() * 8
+    )
+    per_member: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
+    for member_counts, member_idx, member_val in zip(all_counts, all_idx, all_val, strict=True):
+        i_off = v_off = 0
+        for n, k, w in zip(names, member_counts.tolist(), widths, strict=True):
+            per_member[n].append(
+                (member_idx[i_off : i_off + k], member_val[v_off : v_off + k * w].view(k, w))
+            )
+            i_off += k
+            v_off += k * w
+    merged = {n: sum_rows(per_member[n], num_rows[n]) for n in names}
+    return merged, anywhere, moved
 
 
 # -- the partition-count chooser ----------------------------------------------------------
@@ -444,6 +495,46 @@ class SparseServer(ServerPolicy):
         self.shard.load_state_tensors(tensors)
 
 
+def install_rows(
+    states: Sequence[dict[str, Tensor]],
+    on_server: Sequence[Sequence[RowPartition]],
+    tables: dict[str, Tensor],
+    buffers: dict[str, Tensor] | None = None,
+) -> None:
+    """Write every server's rows (``states[s]``: :meth:`SparseShard.state_tensors`) into
+    the whole ``tables`` and, with momentum, ``buffers`` (name → tensor, rows first)."""
+    for state, parts in zip(states, on_server, strict=True):
+        for i, p in enumerate(parts):
+            rows = slice(p.start, p.stop)
+            tables[p.name].view(-1, p.row_numel)[rows] = state[f"{i}/values"]
+            if buffers is not None:
+                buffers[p.name].view(-1, p.row_numel)[rows] = state[f"{i}/momentum_buffer"]
+
+
+def cut_rows(
+    tables: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    on_server: Sequence[Sequence[RowPartition]],
+) -> list[dict[str, Tensor]]:
+    """The inverse of :func:`install_rows`: each server's state from whole tables (resume).
+
+    Example:
+        >>> parts = [[RowPartition("e", 0, 1, 2, 0)], [RowPartition("e", 1, 3, 2, 1)]]
+        >>> cut_rows({"e": torch.arange(6.0).view(3, 2)}, {}, parts)[1]["0/values"].tolist()
+        [[2.0, 3.0], [4.0, 5.0]]
+    """
+    states = []
+    for parts in on_server:
+        state = {}
+        for i, p in enumerate(parts):
+            rows = slice(p.start, p.stop)
+            state[f"{i}/values"] = tables[p.name].reshape(-1, p.row_numel)[rows]
+            if p.name in buffers:
+                state[f"{i}/momentum_buffer"] = buffers[p.name].reshape(-1, p.row_numel)[rows]
+        states.append(state)
+    return states
+
+
 # -- the worker's end ---------------------------------------------------------------------
 
 
@@ -532,6 +623,9 @@ __all__ = [
     "SparseVariable",
     "choose_num_partitions",
     "coalesce_rows",
+    "cut_rows",
+    "gather_rows_on_node",
+    "install_rows",
     "measure_apply_cost",
     "partition_rows",
     "sparse_reader",

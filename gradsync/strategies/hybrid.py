@@ -49,11 +49,13 @@ from gradsync.comm.sparse import (
     SparseVariable,
     choose_num_partitions,
     coalesce_rows,
+    cut_rows,
+    gather_rows_on_node,
+    install_rows,
     measure_apply_cost,
     partition_rows,
     sparse_reader,
     split_rows,
-    sum_rows,
 )
 from gradsync.comm.wire import Inbox
 from gradsync.config import HybridConfig, TrainConfig
@@ -372,7 +374,13 @@ class Hybrid(ServerStrategy):
             self.client.local_inbox, self._colocated = self._start_colocated(context, initial)
         self._connected = True
         if self._to_load is not None:
-            self.client.load_state(self._server_states(self._to_load))
+            tables = {n: self._to_load[PARAM + n] for n in self.sparse_names}
+            buffers = {
+                n: self._to_load[key]
+                for n in self.sparse_names
+                if (key := f"{OPTIM}{n}/momentum_buffer") in self._to_load
+            }
+            self.client.load_state(cut_rows(tables, buffers, self.on_server))
             self._to_load = None
 
     def _pull_rows(self, name: str, lookup: Tensor) -> None:
@@ -431,55 +439,15 @@ class Hybrid(ServerStrategy):
         self, rows: dict[str, tuple[Tensor, Tensor]], present: dict[str, bool]
     ) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, bool]] | None:
         """Local aggregation: the node's workers' rows, summed, on its first worker (and
-        whether any of them had a gradient per variable)."""
+        whether any of them had a gradient per variable); None on the other workers."""
         node = self.node
         if node is None or len(node.ranks) == 1:
             return rows, present
         started = time.perf_counter()
-        names = self.sparse_names
-        counts = torch.tensor(
-            [len(rows[n][0]) for n in names] + [int(present[n]) for n in names], dtype=torch.long
-        )
-        all_counts = [torch.zeros_like(counts) for _ in node.ranks]
-        dist.all_gather(all_counts, counts, group=node.group)
-        widths = [self.params[n][0].numel() for n in names]
-        anywhere = {n: any(int(c[len(names) + i]) for c in all_counts) for i, n in enumerate(names)}
-        all_counts = [c[: len(names)] for c in all_counts]
-        max_idx = max(int(c.sum()) for c in all_counts)
-        max_val = max(sum(int(k) * w for k, w in zip(c, widths, strict=True)) for c in all_counts)
-        idx = torch.zeros(max_idx, dtype=torch.long)
-        val = torch.zeros(max_val)
-        flat_idx = torch.cat([rows[n][0] for n in names])
-        flat_val = torch.cat([rows[n][1].reshape(-1) for n in names])
-        idx[: len(flat_idx)] = flat_idx
-        val[: len(flat_val)] = flat_val
-        all_idx = [torch.empty_like(idx) for _ in node.ranks]
-        all_val = [torch.empty_like(val) for _ in node.ranks]
-        dist.all_gather(all_idx, idx, group=node.group)
-        dist.all_gather(all_val, val, group=node.group)
-        moved = (len(node.ranks) - 1) * (
-            idx.numel() * 8 + val.numel() * val.element_size() + counts.numel() * 8
-        )
+        num_rows = {n: self.params[n].shape[0] for n in self.sparse_names}
+        merged, anywhere, moved = gather_rows_on_node(rows, present, num_rows, node)
         self._count(moved, moved, time.perf_counter() - started)
-        if self.context.rank != self.pushers_on_node():
-            return None
-        merged = {}
-        per_member: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
-        for member_counts, member_idx, member_val in zip(all_counts, all_idx, all_val, strict=True):
-            i_off = v_off = 0
-            for n, k, w in zip(names, member_counts.tolist(), widths, strict=True):
-                per_member[n].append(
-                    (member_idx[i_off : i_off + k], member_val[v_off : v_off + k * w].view(k, w))
-                )
-                i_off += k
-                v_off += k * w
-        for n in names:  # node members in rank order: the same sum on every run
-            merged[n] = sum_rows(per_member[n], self.params[n].shape[0])
-        return merged, anywhere
-
-    def pushers_on_node(self) -> int:
-        assert self.node is not None
-        return min(self.node.ranks)
+        return (merged, anywhere) if self.context.rank == min(node.ranks) else None
 
     def step(self) -> None:
         assert self.updater is not None
@@ -528,18 +496,13 @@ class Hybrid(ServerStrategy):
         if not self._connected:
             return tensors
         states = self.client.request_state(self._step)
-        momentum = self.context.config.optim.momentum
-        with torch.no_grad():
-            for s, parts in enumerate(self.on_server):
-                for i, p in enumerate(parts):
-                    table = self.params[p.name].data.view(self.params[p.name].shape[0], -1)
-                    table[p.start : p.stop] = states[s][f"{i}/values"]
-                    if momentum:
-                        key = f"{OPTIM}{p.name}/momentum_buffer"
-                        buffer = tensors.setdefault(key, torch.zeros_like(self.params[p.name]))
-                        buffer.view(table.shape)[p.start : p.stop] = states[s][
-                            f"{i}/momentum_buffer"
-                        ]
+        tables = {n: self.params[n].data for n in self.sparse_names}
+        buffers = None
+        if self.context.config.optim.momentum:
+            buffers = {n: torch.zeros_like(t) for n, t in tables.items()}
+            tensors.update({f"{OPTIM}{n}/momentum_buffer": b for n, b in buffers.items()})
+        with torch.no_grad():  # worker 0's tables get the servers' rows (evaluation reads them)
+            install_rows(states, self.on_server, tables, buffers)
         for name in self.sparse_names:
             tensors[PARAM + name] = self.params[name].detach().clone()
         return {k: v.contiguous() for k, v in tensors.items()}
@@ -548,20 +511,6 @@ class Hybrid(ServerStrategy):
         """Worker 0, after setup: the servers take their rows and momentum from a
         checkpoint (keys of :meth:`checkpoint_tensors`) when they start (first step)."""
         self._to_load = tensors
-
-    def _server_states(self, tensors: dict[str, Tensor]) -> list[dict[str, Tensor]]:
-        """Each server's state (keys of ``SparseShard.state_tensors``) from a checkpoint."""
-        states: list[dict[str, Tensor]] = []
-        for parts in self.on_server:
-            state = {}
-            for i, p in enumerate(parts):
-                rows = slice(p.start, p.stop)
-                state[f"{i}/values"] = tensors[PARAM + p.name].view(-1, p.row_numel)[rows]
-                buffer = tensors.get(f"{OPTIM}{p.name}/momentum_buffer")
-                if buffer is not None:
-                    state[f"{i}/momentum_buffer"] = buffer.view(-1, p.row_numel)[rows]
-            states.append(state)
-        return states
 
     def finish(self) -> None:
         if not self._connected:

@@ -40,26 +40,29 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.comm.counters import CommStats
 from gradsync.comm.layer_order import LayerOrder, Layers
-from gradsync.comm.priority import PrioritySender, SendRecord
+from gradsync.comm.priority import (
+    LAST,
+    SEND_WINDOW,
+    P3Server,
+    PrioritySender,
+    SendRecord,
+    slice_reader,
+)
 from gradsync.comm.server import (
     ColocatedServer,
-    Gather,
     Piece,
     ServerMetrics,
-    ServerPolicy,
     ShardState,
     adopt_initial,
     assemble_checkpoint,
     endpoints,
     share_initial,
     split_variable,
-    sum_in_order,
 )
 from gradsync.comm.slicing import Slice, slice_variables
 from gradsync.comm.wire import (
@@ -68,12 +71,10 @@ from gradsync.comm.wire import (
     Header,
     Kind,
     Message,
-    Outbox,
     Recv,
     ServerLinks,
     TransportError,
     decode_state,
-    encode_state,
     nbytes,
     start_receiver,
 )
@@ -81,115 +82,7 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context, ServerStrategy
-from gradsync.trace import COMPUTE, NullTimeline, Phase
-
-LAST = 2**40  # priority of control messages: after every slice
-SEND_WINDOW = 4  # slices in flight per sender: keeps the link busy; preemption waits ≤ this
-
-
-def _slice_reader(header: Header, recv: Recv) -> list[Tensor]:
-    """A server's read of a push: ``length`` gradient values (none for NO_GRADIENT)."""
-    return [recv(torch.empty(header.length))] if header.kind == Kind.PUSH else []
-
-
-class P3Server(ServerPolicy):
-    """One P3 server: a :class:`ShardState` per slice it owns; a slice is applied once every
-    worker's contribution is in, and answered, in priority order, to every worker."""
-
-    def __init__(
-        self,
-        states: dict[int, ShardState],
-        outbox: Outbox,
-        metrics: ServerMetrics,
-        *,
-        num_workers: int,
-        fifo: bool,
-        timeout_s: float,
-        timeline: NullTimeline | None = None,
-        track: str = "server",
-    ) -> None:
-        self.states, self.outbox, self.metrics = states, outbox, metrics
-        self.num_workers = num_workers
-        self.timeout_s = timeout_s
-        self.timeline = timeline or NullTimeline()
-        self.track = track
-        self.rounds = Gather(range(num_workers))
-        self.applied: dict[int, int] = {}  # step → slices applied
-        self.replies = PrioritySender(
-            self._send_reply, name="p3-reply", fifo=fifo, window=SEND_WINDOW
-        )
-
-    def on_push(self, message: Message) -> None:
-        if self.replies.error is not None:
-            raise TransportError(f"sending replies failed: {self.replies.error}")
-        header = message.header
-        grad = message.tensors[0] if message.kind == Kind.PUSH else None
-        contributions = self.rounds.add(header.index, message.worker, grad)
-        if contributions is None:
-            return
-        step, state = header.step, self.states[header.index]
-        span = dict(step=step, slice=header.index, priority=header.priority)
-        span["bytes"] = nbytes(state.values)
-        with self.metrics.busy(step):
-            with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, **span):
-                total = sum_in_order(contributions, scale=1.0 / self.num_workers)
-            with self.timeline.span(self.track, Phase.SERVER_APPLY, **span):
-                # No gradient on any worker: skipped, as single's optimizer skips it.
-                state.apply(
-                    state.values if total is None else total, step, present=[total is not None]
-                )
-            values = state.values.detach().clone()
-            reply = Header(
-                Kind.REPLY,
-                step=step,
-                index=header.index,
-                priority=header.priority,
-                length=values.numel(),
-                lr=state.lr,
-            )
-            for worker in range(self.num_workers):
-                self._reply(worker, reply, values, header.priority)
-        self.applied[step] = self.applied.get(step, 0) + 1
-        if self.applied[step] == len(self.states):  # this server has finished the step
-            del self.applied[step]
-            self.metrics.finish(step)
-
-    def _reply(self, worker: int, header: Header, values: Tensor, priority: int) -> None:
-        """Queue an updated slice for ``worker`` (tests override it to slow a layer down)."""
-        self.replies.put((worker, header, values), priority)
-
-    def _send_reply(self, item: tuple[int, Header, Tensor | None], record: SendRecord):
-        worker, header, payload = item
-        sent, wait = self.outbox.post(worker, header, [] if payload is None else [payload])
-        if header.kind == Kind.REPLY:
-            self.metrics.tally(header.step).bytes_sent += sent
-        return wait
-
-    def on_state(self, message: Message) -> None:
-        data = encode_state(self.state_tensors())
-        header = Header(Kind.STATE_REPLY, length=data.numel())
-        self.replies.put((message.worker, header, data), LAST)
-
-    def on_done(self, worker: int) -> None:
-        self.replies.put((worker, Header(Kind.FIN), None), LAST)
-
-    def state_tensors(self) -> dict[str, Tensor]:
-        return {
-            f"{index}/{key}": value
-            for index, state in self.states.items()
-            for key, value in state.state_tensors().items()
-        }
-
-    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
-        per_slice: dict[int, dict[str, Tensor]] = {}
-        for key, value in tensors.items():
-            index, _, rest = key.partition("/")
-            per_slice.setdefault(int(index), {})[rest] = value
-        for index, state in per_slice.items():
-            self.states[index].load_state_tensors(state)
-
-    def close(self) -> None:
-        self.replies.close(timeout_s=self.timeout_s)
+from gradsync.trace import COMPUTE, Phase
 
 
 class PriorityPropagation(ServerStrategy):
@@ -269,7 +162,7 @@ class PriorityPropagation(ServerStrategy):
             group=self.push_group,
             reply_group=self.pull_group,
             timeout_s=self.timeout_s,
-            read_body=_slice_reader,
+            read_body=slice_reader,
             deliver_local=None if local_worker is None else self._on_local_reply,
         )
         policy = self.server_policy(

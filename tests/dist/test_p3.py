@@ -17,7 +17,8 @@ from torch import nn
 from gradsync.config import LaunchConfig, OptimConfig, P3Config, TrainConfig
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context
-from gradsync.strategies.p3 import P3Server, PriorityPropagation
+from gradsync.comm.priority import P3Server
+from gradsync.strategies.p3 import PriorityPropagation
 
 DELAY_S = 0.4
 STEPS = 4
