@@ -73,8 +73,8 @@ def sum_in_order(items: Sequence[Tensor | None], *, scale: float = 1.0) -> Tenso
     None when no item had one. A fixed order makes the sum bit-identical across runs.
 
     Example:
-        >>> sum_in_order([torch.ones(2), None, torch.ones(2)], scale=1 / 3).tolist()
-        [0.6666666666666666, 0.6666666666666666]
+        >>> sum_in_order([torch.ones(2), None, torch.ones(2)], scale=0.25).tolist()
+        [0.5, 0.5]
     """
     present = [t for t in items if t is not None]
     if not present:
