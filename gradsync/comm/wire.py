@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -42,6 +43,7 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 HEADER = 7
+MAX_PENDING = 64  # sends an Outbox keeps in flight before it waits for the oldest
 TAG_PUSH, TAG_REPLY = 101, 102  # worker → server, server → worker
 
 
@@ -261,7 +263,7 @@ class Outbox:
         self.tag = tag
         self.local_peer = local_peer
         self.deliver_local = deliver_local
-        self._pending: list[tuple[Any, Tensor]] = []
+        self._pending: deque[tuple[Any, Tensor]] = deque()
 
     def post(
         self, peer: int, header: Header, tensors: Iterable[Tensor] = ()
@@ -280,7 +282,12 @@ class Outbox:
         """Like :meth:`post`, for callers that wait for everything at once with
         :meth:`flush`. Returns the wire bytes."""
         sent, works = self._start(peer, header, list(tensors))
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()] + works
+        self._pending.extend(works)
+        # Gloo's isend reports completion only to wait(): bound what is kept by waiting for
+        # the oldest (every reply's receive is posted before its request, so it has left).
+        while len(self._pending) > MAX_PENDING:
+            work, _ = self._pending.popleft()
+            work.wait()
         return sent
 
     def _start(
@@ -303,9 +310,9 @@ class Outbox:
 
     def flush(self) -> None:
         """Wait until every message has left (bounded by the process group timeout)."""
-        for work, _ in self._pending:
+        while self._pending:
+            work, _ = self._pending.popleft()
             work.wait()
-        self._pending = []
 
 
 class ServerLinks:
