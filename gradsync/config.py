@@ -59,6 +59,19 @@ class DDPConfig:
 PLACEMENTS = ("greedy", "round-robin")
 
 
+def _num_servers(servers: int | None, colocate: bool, workers: int) -> int:
+    """Server shards: one per worker when colocated, else ``servers`` (default 1)."""
+    return workers if colocate else (1 if servers is None else servers)
+
+
+def _check_colocation(servers: int | None, colocate: bool, workers: int) -> None:
+    if colocate and servers is not None:
+        raise UserError(
+            f"--servers {servers} with --colocate: colocated servers run inside the "
+            f"workers (--workers {workers}), not on extra ranks; drop --servers or --colocate"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class PSConfig:
     """Parameter servers (strategy ``ps``).
@@ -82,15 +95,11 @@ class PSConfig:
 
     def num_servers(self, workers: int) -> int:
         """Server shards in the job: one per worker when colocated."""
-        return workers if self.colocate else (1 if self.servers is None else self.servers)
+        return _num_servers(self.servers, self.colocate, workers)
 
     def check(self, workers: int) -> None:
         """UserError on an impossible parameter-server topology."""
-        if self.colocate and self.servers is not None:
-            raise UserError(
-                f"--servers {self.servers} with --colocate: colocated servers run inside the "
-                f"workers (--workers {workers}), not on extra ranks; drop --servers or --colocate"
-            )
+        _check_colocation(self.servers, self.colocate, workers)
         if self.servers is not None and self.servers < 1:
             raise UserError(
                 f"--servers {self.servers} leaves no parameter server; use --servers 1 or "
@@ -137,15 +146,11 @@ class HybridConfig:
 
     def num_servers(self, workers: int) -> int:
         """Sparse server shards in the job: one per worker when colocated."""
-        return workers if self.colocate else (1 if self.servers is None else self.servers)
+        return _num_servers(self.servers, self.colocate, workers)
 
     def check(self, workers: int) -> None:
         """UserError on an impossible hybrid topology."""
-        if self.colocate and self.servers is not None:
-            raise UserError(
-                f"--servers {self.servers} with --colocate: colocated servers run inside the "
-                f"workers (--workers {workers}), not on extra ranks; drop --servers or --colocate"
-            )
+        _check_colocation(self.servers, self.colocate, workers)
         if self.servers is not None and self.servers < 1:
             raise UserError(
                 f"--servers {self.servers} leaves no server for the sparse variables; use "
@@ -185,15 +190,11 @@ class P3Config:
 
     def num_servers(self, workers: int) -> int:
         """Server shards in the job: one per worker when colocated."""
-        return workers if self.colocate else (1 if self.servers is None else self.servers)
+        return _num_servers(self.servers, self.colocate, workers)
 
     def check(self, workers: int) -> None:
         """UserError on an impossible P3 configuration."""
-        if self.colocate and self.servers is not None:
-            raise UserError(
-                f"--servers {self.servers} with --colocate: colocated servers run inside the "
-                f"workers (--workers {workers}), not on extra ranks; drop --servers or --colocate"
-            )
+        _check_colocation(self.servers, self.colocate, workers)
         if self.servers is not None and self.servers < 1:
             raise UserError(
                 f"--servers {self.servers} leaves no parameter server; use --servers 1 or more"

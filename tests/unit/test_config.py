@@ -10,8 +10,11 @@ import pytest
 from gradsync.config import (
     DEFAULT_LR,
     AllreduceConfig,
+    HybridConfig,
     LaunchConfig,
     OptimConfig,
+    P3Config,
+    PSConfig,
     TrainConfig,
 )
 from gradsync.errors import UserError
@@ -205,3 +208,13 @@ def test_from_json_validates():
 def test_negative_measure_warmup_is_a_user_error():
     with pytest.raises(UserError, match="--measure-warmup"):
         TrainConfig(measure_warmup=-3)
+
+
+def test_colocated_servers_take_no_server_count_for_every_server_strategy() -> None:
+    for strategy, section in (("ps", PSConfig), ("hybrid", HybridConfig), ("p3", P3Config)):
+        with pytest.raises(UserError, match="--servers 2 with --colocate"):
+            TrainConfig(
+                strategy=strategy, workers=2, **{strategy: section(servers=2, colocate=True)}
+            )
+        config = TrainConfig(strategy=strategy, workers=3, **{strategy: section(colocate=True)})
+        assert getattr(config, strategy).num_servers(3) == 3  # one per worker
