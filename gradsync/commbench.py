@@ -168,6 +168,7 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
     import torch.distributed as dist
 
     from gradsync.comm.groups import node_local_group
+    from gradsync.comm.objects import all_gather_json
     from gradsync.rendezvous import join_process_group
 
     threads = config.launch.threads or default_threads(env.local_world_size)
@@ -175,9 +176,7 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
     join_process_group("gloo", env, timedelta(seconds=config.launch.timeout_s))
     try:
         node = node_local_group(env.node_rank)
-        placement: list[Any] = [None] * env.world_size
-        dist.all_gather_object(
-            placement,
+        placement = all_gather_json(
             {
                 "rank": env.rank,
                 "host": os.environ.get("GRADSYNC_EMULATED_HOST", socket.gethostname()),

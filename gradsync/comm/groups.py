@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -30,10 +31,11 @@ def node_local_group(node_rank: int) -> NodeGroup:
         >>> # group = node_local_group(env.node_rank)
         >>> # dist.all_reduce(tensor, group=group.group)  # sums over this node only
     """
-    nodes: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, node_rank)
+    gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([node_rank]))
+    nodes = [int(t) for t in gathered]
     mine = NodeGroup(node_rank, (dist.get_rank(),), None)
-    for node in sorted({n for n in nodes if n is not None}):
+    for node in sorted(set(nodes)):
         members = tuple(rank for rank, n in enumerate(nodes) if n == node)
         group = dist.new_group(list(members))
         if node == node_rank:

@@ -1,4 +1,5 @@
-"""A priority send queue drained by one thread: P3's preemption at slice granularity.
+"""P3's communication: a priority send queue (preemption at slice granularity) and the
+server policy that answers slices in priority order (:class:`P3Server`).
 
 Items are queued with a priority (lower goes first: P3 gives layer i priority i, input side
 first) as they become ready; one thread sends them one at a time, always taking the most
@@ -28,8 +29,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from gradsync.comm.server import Gather, ServerMetrics, ServerPolicy, ShardState, sum_in_order
+from gradsync.comm.wire import (
+    Header,
+    Kind,
+    Message,
+    Outbox,
+    Recv,
+    TransportError,
+    encode_state,
+    nbytes,
+)
+from gradsync.trace import NullTimeline, Phase
+
 _STOP = object()
 LOG_LIMIT = 100_000
+LAST = 2**40  # priority of control messages: after every slice
+SEND_WINDOW = 4  # slices in flight per sender: keeps the link busy; preemption waits ≤ this
 
 
 @dataclass(frozen=True)
@@ -139,4 +158,109 @@ class PrioritySender:
             raise TimeoutError(f"the {self._thread.name} thread did not finish in {timeout_s:g} s")
 
 
-__all__ = ["PrioritySender", "SendRecord"]
+def slice_reader(header: Header, recv: Recv) -> list[Tensor]:
+    """A server's read of a push: ``length`` gradient values (none for NO_GRADIENT)."""
+    return [recv(torch.empty(header.length))] if header.kind == Kind.PUSH else []
+
+
+class P3Server(ServerPolicy):
+    """One P3 server: a :class:`ShardState` per slice it owns; a slice is applied once every
+    worker's contribution is in, and answered, in priority order, to every worker."""
+
+    def __init__(
+        self,
+        states: dict[int, ShardState],
+        outbox: Outbox,
+        metrics: ServerMetrics,
+        *,
+        num_workers: int,
+        fifo: bool,
+        timeout_s: float,
+        timeline: NullTimeline | None = None,
+        track: str = "server",
+    ) -> None:
+        self.states, self.outbox, self.metrics = states, outbox, metrics
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.timeline = timeline or NullTimeline()
+        self.track = track
+        self.rounds = Gather(range(num_workers))
+        self.applied: dict[int, int] = {}  # step → slices applied
+        self.replies = PrioritySender(
+            self._send_reply, name="p3-reply", fifo=fifo, window=SEND_WINDOW
+        )
+
+    def on_push(self, message: Message) -> None:
+        if self.replies.error is not None:
+            raise TransportError(f"sending replies failed: {self.replies.error}")
+        header = message.header
+        grad = message.tensors[0] if message.kind == Kind.PUSH else None
+        contributions = self.rounds.add(header.index, message.worker, grad)
+        if contributions is None:
+            return
+        step, state = header.step, self.states[header.index]
+        span = dict(step=step, slice=header.index, priority=header.priority)
+        span["bytes"] = nbytes(state.values)
+        with self.metrics.busy(step):
+            with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, **span):
+                total = sum_in_order(contributions, scale=1.0 / self.num_workers)
+            with self.timeline.span(self.track, Phase.SERVER_APPLY, **span):
+                # No gradient on any worker: skipped, as single's optimizer skips it.
+                state.apply(
+                    state.values if total is None else total, step, present=[total is not None]
+                )
+            values = state.values.detach().clone()
+            reply = Header(
+                Kind.REPLY,
+                step=step,
+                index=header.index,
+                priority=header.priority,
+                length=values.numel(),
+                lr=state.lr,
+            )
+            for worker in range(self.num_workers):
+                self._reply(worker, reply, values, header.priority)
+        self.applied[step] = self.applied.get(step, 0) + 1
+        if self.applied[step] == len(self.states):  # this server has finished the step
+            del self.applied[step]
+            self.metrics.finish(step)
+
+    def _reply(self, worker: int, header: Header, values: Tensor, priority: int) -> None:
+        """Queue an updated slice for ``worker`` (tests override it to slow a layer down)."""
+        self.replies.put((worker, header, values), priority)
+
+    def _send_reply(self, item: tuple[int, Header, Tensor | None], record: SendRecord):
+        worker, header, payload = item
+        sent, wait = self.outbox.post(worker, header, [] if payload is None else [payload])
+        if header.kind == Kind.REPLY:
+            self.metrics.tally(header.step).bytes_sent += sent
+        return wait
+
+    def on_state(self, message: Message) -> None:
+        data = encode_state(self.state_tensors())
+        header = Header(Kind.STATE_REPLY, length=data.numel())
+        self.replies.put((message.worker, header, data), LAST)
+
+    def on_done(self, worker: int) -> None:
+        self.replies.put((worker, Header(Kind.FIN), None), LAST)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        return {
+            f"{index}/{key}": value
+            for index, state in self.states.items()
+            for key, value in state.state_tensors().items()
+        }
+
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        per_slice: dict[int, dict[str, Tensor]] = {}
+        for key, value in tensors.items():
+            index, _, rest = key.partition("/")
+            per_slice.setdefault(int(index), {})[rest] = value
+        for index, state in per_slice.items():
+            self.states[index].load_state_tensors(state)
+
+    def close(self) -> None:
+        self.replies.close(timeout_s=self.timeout_s)
+
+
+__all__ = ["LAST", "SEND_WINDOW", "P3Server", "PrioritySender", "SendRecord", "slice_reader"]

@@ -1,44 +1,107 @@
-"""A parameter server: the authoritative values of its partitions, their optimizer, its loop.
+"""The server side every strategy with server ranks shares (``ps``, ``hybrid``, ``p3``).
 
-:class:`ShardState` holds one server's partitions as one flat tensor with the optimizer
-(and its state) over it; workers hold no optimizer state. :func:`serve` answers pushes
-until every worker has said it is done, under one of two update rules:
+- :func:`serve`: the loop skeleton. It reads an :class:`~gradsync.comm.wire.Inbox` until
+  every worker said DONE and hands each message to a :class:`ServerPolicy`, which decides
+  what a shard is, when a round is complete and what to answer.
+- :class:`Gather` and :func:`sum_in_order`: the round — contributions collected per key
+  until every expected worker is in, then added in fixed worker order (the same sum on
+  every run: bit-identical reruns).
+- :class:`ShardState`: values (flat) and the optimizer over them, with state dump and load.
+- :class:`ServerMetrics`: one ``ServerRecord`` line per step per server.
+- :class:`ColocatedServer`: a server in a thread of a worker process, ending the job if it
+  fails (its peers would otherwise wait on it).
+- :func:`assemble_checkpoint` / :func:`split_variable`: server states ↔ checkpoint tensors,
+  so a server can be dumped into a checkpoint and loaded back from one (resume).
 
-- synchronous (:class:`SyncRounds`): wait for every worker's push of step t, add them in
-  worker order, divide by the number of workers (the global-batch gradient, as ``single``
-  computes it), apply once, answer everyone with the same values;
-- stale-synchronous (:class:`BoundedStaleness`, Ho et al. 2013): apply each push on
-  arrival (scaled by 1/workers, so one round of pushes moves as far as one synchronous
-  step), answer at once unless that lets the pusher run more than ``staleness`` steps
-  ahead of the slowest worker; ``staleness=None`` is plain asynchronous training (TF 1.x
-  between-graph replication), which never holds an answer back.
-
-Element-wise optimizers (SGD with momentum, Adam) give the same result on a flat
-concatenation as on the separate tensors, so the server optimizes one flat tensor.
+Example:
+    >>> gather = Gather([0, 1])
+    >>> gather.add("slice 3", 1, torch.ones(2)) is None
+    True
+    >>> sum_in_order(gather.add("slice 3", 0, torch.ones(2)), scale=0.5).tolist()
+    [1.0, 1.0]
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradsync.checkpoint import OPTIM, PARAM
-from gradsync.comm.pushpull import DONE, HEADER, PUSH, STATE, Inbox, Message, Outbox
+from gradsync.checkpoint import BUFFER, OPTIM, PARAM
+from gradsync.comm.objects import broadcast_json, broadcast_tensors
+from gradsync.comm.wire import TAG_REPLY, Inbox, Kind, Message, Outbox, ReadBody, decode_state
+from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
-from gradsync.trace import NullTimeline, Phase
+
+# -- the round: contributions in fixed worker order ---------------------------------------
+
+
+class Gather:
+    """Contributions per key (a step, a slice) until every expected worker has given one.
+
+    :meth:`add` returns them, in the order of ``workers``, once the last one is in.
+    """
+
+    def __init__(self, workers: Sequence[int]) -> None:
+        self.workers = list(workers)
+        self.pending: dict[Hashable, dict[int, Any]] = {}
+
+    def add(self, key: Hashable, worker: int, item: Any) -> list[Any] | None:
+        contributions = self.pending.setdefault(key, {})
+        if worker in contributions:
+            raise RuntimeError(f"worker {worker} contributed to {key} twice")
+        contributions[worker] = item
+        if len(contributions) < len(self.workers):
+            return None
+        del self.pending[key]
+        return [contributions[w] for w in self.workers]
+
+
+def sum_in_order(items: Sequence[Tensor | None], *, scale: float = 1.0) -> Tensor | None:
+    """The sum of the tensors in the order given (None: no contribution), times ``scale``;
+    None when no item had one. A fixed order makes the sum bit-identical across runs.
+
+    Example:
+        >>> sum_in_order([torch.ones(2), None, torch.ones(2)], scale=0.25).tolist()
+        [0.5, 0.5]
+    """
+    present = [t for t in items if t is not None]
+    if not present:
+        return None
+    total = present[0].clone()
+    for tensor in present[1:]:
+        total += tensor
+    if scale != 1.0:
+        total *= scale
+    return total
+
+
+# -- the state of a shard -----------------------------------------------------------------
+
+
+SCALAR = "@scalar"
 
 
 class ShardState:
-    """One server's partitions (flat) and the optimizer that updates them.
+    """One server's values (flat) and the optimizer that updates them.
 
-    ``sizes`` cuts the flat values into slots (the partitions of separate variables); each
-    slot is its own optimizer parameter, a view of the flat tensor, so a slot whose
-    gradient is missing on every worker is skipped exactly as ``single`` skips a parameter
-    whose ``.grad`` is None (no momentum, no weight decay, no Adam step).
+    ``sizes`` cuts the flat values into slots (pieces of separate variables); each slot is
+    its own optimizer parameter, a view of the flat tensor, so a slot whose gradient is
+    missing on every worker is skipped exactly as ``single`` skips a parameter whose
+    ``.grad`` is None (no momentum, no weight decay, no Adam step). Element-wise
+    optimizers (SGD with momentum, Adam) give the same result on a flat concatenation as
+    on the separate tensors.
 
     Example:
         >>> from gradsync.config import OptimConfig
@@ -64,6 +127,10 @@ class ShardState:
     def num_slots(self) -> int:
         return len(self.slots)
 
+    @property
+    def lr(self) -> float:
+        return self.updater.lr
+
     def apply(self, grad: Tensor, step: int, present: Sequence[bool] | None = None) -> None:
         """One optimizer step with ``grad`` (flat) and the learning rate of ``step``;
         slots whose ``present`` flag is False had no gradient and are left alone."""
@@ -72,22 +139,6 @@ class ShardState:
             slot.grad = piece if here else None
         self.updater.update_at(step)
         self.num_updates += 1
-
-    def apply_push(self, payload: Tensor, step: int) -> None:
-        """Apply a push payload laid out as gradients then one had-a-gradient flag per slot."""
-        grad, flags = payload[: self.values.numel()], payload[self.values.numel() :]
-        self.apply(grad, step, present=flags.gt(0).tolist())
-
-    @property
-    def lr(self) -> float:
-        return self.updater.lr
-
-    def snapshot(self, step: int) -> Tensor:
-        """A pull message: header (step applied, learning rate) and a copy of the values."""
-        message = torch.empty(HEADER + self.values.numel())
-        message[:HEADER] = torch.tensor([step, self.lr, 0.0])
-        message[HEADER:] = self.values
-        return message
 
     def state_tensors(self) -> dict[str, Tensor]:
         """``values`` and ``optim/<key>``, flat like the values. A slot without optimizer
@@ -112,26 +163,70 @@ class ShardState:
             tensors[f"optim/{key}{SCALAR if scalar else ''}"] = torch.cat(pieces)
         return tensors
 
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """The inverse of :meth:`state_tensors`: install values and optimizer state."""
+        with torch.no_grad():
+            self.values.copy_(tensors["values"].reshape(-1))
+        state = self.updater.optimizer.state
+        for name, flat in tensors.items():
+            if not name.startswith("optim/"):
+                continue
+            key = name[len("optim/") :]
+            scalar = key.endswith(SCALAR)
+            key = key.removesuffix(SCALAR)
+            for slot, piece in zip(self.slots, flat.split(self.sizes), strict=True):
+                if scalar:
+                    state[slot][key] = torch.tensor(float(piece[0]))
+                else:
+                    state[slot][key] = piece.clone().view_as(slot)
 
-SCALAR = "@scalar"
+
+# -- checkpoint assembly and splitting ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, stop)`` of variable ``name`` at ``offset`` in a server's state."""
+
+    name: str
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def lay_out(ranges: Sequence[tuple[str, int, int]]) -> list[Piece]:
+    """Consecutive pieces of one server's flat state, in the order given.
+
+    Example:
+        >>> [p.offset for p in lay_out([("w", 0, 4), ("b", 0, 2)])]
+        [0, 4]
+    """
+    pieces, offset = [], 0
+    for name, start, stop in ranges:
+        pieces.append(Piece(name, start, stop, offset))
+        offset += stop - start
+    return pieces
 
 
 def assemble_variable(
-    parts: Sequence[tuple[int, int, dict[str, Tensor]]], shape: torch.Size, name: str
+    parts: Sequence[tuple[Piece, dict[str, Tensor]]], shape: torch.Size, name: str
 ) -> dict[str, Tensor]:
-    """One variable's checkpoint tensors from its pieces on the servers.
-
-    ``parts`` are (offset, numel, server state) in the variable's element order; the keys are
-    those of :meth:`ShardState.state_tensors`.
+    """One variable's checkpoint tensors from its pieces (in element order) and the states
+    of the servers holding them (keys of :meth:`ShardState.state_tensors`).
 
     Example:
         >>> state = {"values": torch.arange(4.0), "optim/step@scalar": torch.full((4,), 3.0)}
-        >>> sorted(assemble_variable([(0, 2, state), (2, 2, state)], torch.Size([2, 2]), "w"))
+        >>> parts = [(Piece("w", 0, 2, 0), state), (Piece("w", 2, 4, 2), state)]
+        >>> sorted(assemble_variable(parts, torch.Size([2, 2]), "w"))
         ['optim/w/step', 'param/w']
     """
     tensors: dict[str, Tensor] = {}
-    for key in parts[0][2]:
-        flat = torch.cat([state[key][offset : offset + numel] for offset, numel, state in parts])
+    for key in parts[0][1]:
+        flat = torch.cat([state[key][p.offset : p.offset + p.numel] for p, state in parts])
         if key == "values":
             tensors[PARAM + name] = flat.view(shape)
         elif key.endswith(SCALAR):
@@ -141,18 +236,99 @@ def assemble_variable(
     return tensors
 
 
-@dataclass(frozen=True, kw_only=True)
-class ServerRound:
-    """What one server did for one step: bytes in (pushes) and out (pulls), busy time."""
+def assemble_checkpoint(
+    model: nn.Module, pieces: Sequence[Sequence[Piece]], states: Sequence[dict[str, Tensor]]
+) -> dict[str, Tensor]:
+    """Checkpoint tensors from every server's state (``pieces[s]``: server s's layout).
 
-    step: int
-    bytes_recv: int
-    bytes_sent: int
-    busy_s: float
+    A parameter on no server (frozen) and the buffers are the worker's own copies.
+    """
+    parts: dict[str, list[tuple[Piece, dict[str, Tensor]]]] = {}
+    for server_pieces, state in zip(pieces, states, strict=True):
+        for piece in server_pieces:
+            parts.setdefault(piece.name, []).append((piece, state))
+    tensors: dict[str, Tensor] = {}
+    for name, param in model.named_parameters():
+        if name not in parts:
+            tensors[PARAM + name] = param.detach().clone()
+            continue
+        ordered = sorted(parts[name], key=lambda part: part[0].start)
+        tensors.update(assemble_variable(ordered, param.shape, name))
+    for name, buffer in model.named_buffers():
+        tensors[BUFFER + name] = buffer.detach().clone()
+    return {k: v.cpu().contiguous() for k, v in tensors.items()}
+
+
+def split_variable(tensors: dict[str, Tensor], pieces: Sequence[Piece]) -> dict[str, Tensor]:
+    """One server's state (keys of :meth:`ShardState.state_tensors`) cut from checkpoint
+    ``tensors``: the inverse of :func:`assemble_checkpoint` for that server.
+
+    Example:
+        >>> ckpt = {"param/w": torch.arange(4.0), "optim/w/momentum_buffer": torch.ones(4)}
+        >>> split_variable(ckpt, [Piece("w", 2, 4, 0)])["values"].tolist()
+        [2.0, 3.0]
+    """
+    keys = sorted(
+        {
+            k[len(OPTIM) + len(p.name) + 1 :]
+            for p in pieces
+            for k in tensors
+            if k.startswith(f"{OPTIM}{p.name}/")
+        }
+    )
+    state = {
+        "values": torch.cat([tensors[PARAM + p.name].reshape(-1)[p.start : p.stop] for p in pieces])
+    }
+    for key in keys:
+        flat = []
+        scalar = False
+        for p in pieces:
+            value = tensors.get(f"{OPTIM}{p.name}/{key}")
+            if value is None:
+                flat.append(torch.zeros(p.numel, dtype=state["values"].dtype))
+            elif value.dim() == 0:
+                scalar = True
+                flat.append(value.to(state["values"].dtype).expand(p.numel))
+            else:
+                flat.append(value.reshape(-1)[p.start : p.stop])
+        state[f"optim/{key}{SCALAR if scalar else ''}"] = torch.cat(flat)
+    return state
+
+
+# -- the initial values ---------------------------------------------------------------------
+
+
+def share_initial(model: nn.Module | None, lr: float) -> tuple[dict[str, Tensor], float]:
+    """Collective on every rank: rank 0's trainable parameters (name → tensor, in model
+    order) and peak learning rate, as Horovod's initial broadcast (no pickle: JSON and
+    tensors). Other ranks pass ``model`` None or their own copy; only rank 0's is read."""
+    mine = dist.get_rank() == 0
+    params = None
+    if mine:
+        assert model is not None
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    lr = broadcast_json(lr if mine else None)
+    return broadcast_tensors(params), float(lr)
+
+
+def adopt_initial(params: dict[str, nn.Parameter], initial: dict[str, Tensor]) -> None:
+    """Copy the shared initial values into this worker's parameters, made contiguous
+    (replies are written into flat views of them)."""
+    with torch.no_grad():
+        for name, value in initial.items():
+            param = params[name]
+            if not param.is_contiguous():
+                param.data = param.data.contiguous()
+            param.copy_(value)
+
+
+# -- metrics ------------------------------------------------------------------------------
 
 
 @dataclass
-class _Tally:
+class Tally:
+    """What a server did for one step so far."""
+
     pushes: int = 0
     replies: int = 0
     bytes_recv: int = 0
@@ -161,161 +337,193 @@ class _Tally:
 
 
 @dataclass
-class RoundLog:
-    """Per-step counters; a step is reported once all workers pushed it and got answers."""
+class ServerMetrics:
+    """Per-step tallies of one server, written as one ``ServerRecord`` per finished step.
 
-    num_workers: int
-    on_round: Callable[[ServerRound], None]
-    tallies: dict[int, _Tally] = field(default_factory=dict)
+    ``write`` receives each record (a :class:`~gradsync.metrics.MetricsWriter`'s ``write``,
+    or a list's ``append`` in tests); ``step_time_s`` is the time since the last record.
+    """
 
-    def tally(self, step: int) -> _Tally:
-        return self.tallies.setdefault(step, _Tally())
+    rank: int = 0
+    server: int = 0
+    write: Callable[[ServerRecord], None] = lambda record: None
+    tallies: dict[int, Tally] = field(default_factory=dict)
+    last: float = field(default_factory=time.perf_counter)
+    close: Callable[[], None] = lambda: None
 
-    def report_complete(self) -> None:
-        for step in sorted(self.tallies):
-            t = self.tallies[step]
-            if t.pushes < self.num_workers or t.replies < self.num_workers:
-                return
-            del self.tallies[step]
-            self.on_round(
-                ServerRound(
-                    step=step, bytes_recv=t.bytes_recv, bytes_sent=t.bytes_sent, busy_s=t.busy_s
-                )
+    @classmethod
+    def to_file(cls, out: str | Path, *, rank: int, server: int) -> ServerMetrics:
+        """Records in ``<out>/metrics/server<rank>.jsonl``; :attr:`close` closes the file."""
+        writer = MetricsWriter(Path(out), rank, prefix="server")
+        return cls(rank=rank, server=server, write=writer.write, close=writer.close)
+
+    def tally(self, step: int) -> Tally:
+        return self.tallies.setdefault(max(step, 0), Tally())
+
+    @contextlib.contextmanager
+    def busy(self, step: int) -> Iterator[None]:
+        """Count the time spent inside as the server's busy time for ``step``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.tally(step).busy_s += time.perf_counter() - started
+
+    def finish(self, step: int) -> None:
+        """``step`` is complete on this server: write its record."""
+        tally = self.tallies.pop(step, Tally())
+        now = time.perf_counter()
+        self.write(
+            ServerRecord(
+                step=step,
+                rank=self.rank,
+                server=self.server,
+                bytes_recv=tally.bytes_recv,
+                bytes_sent=tally.bytes_sent,
+                busy_s=tally.busy_s,
+                step_time_s=now - self.last,
             )
+        )
+        self.last = now
 
 
-class SyncRounds:
-    """Aggregate every worker's push of a step, apply once, answer all."""
-
-    timeline: NullTimeline = NullTimeline()
-    track: str = "server"
-
-    def __init__(self, state: ShardState, outbox: Outbox, log: RoundLog) -> None:
-        self.state, self.outbox, self.log = state, outbox, log
-        self.pending: dict[int, Tensor] = {}
-
-    def on_push(self, message: Message) -> None:
-        if message.worker in self.pending:
-            raise RuntimeError(f"worker {message.worker} pushed step {message.step} twice")
-        self.pending[message.worker] = message.payload
-        if len(self.pending) < self.log.num_workers:
-            return
-        started = time.perf_counter()
-        step, nbytes = message.step, message.payload.numel() * message.payload.element_size()
-        with self.timeline.span(
-            self.track,
-            Phase.SERVER_AGGREGATE,
-            step=step,
-            tensor=self.track,
-            bytes=nbytes * self.log.num_workers,
-        ):
-            # Fixed worker order: the sum is the same on every run (bit-identical reruns).
-            total = self.pending[0].clone()
-            for worker in range(1, self.log.num_workers):
-                total += self.pending[worker]
-            total /= self.log.num_workers
-        with self.timeline.span(
-            self.track, Phase.SERVER_APPLY, step=step, tensor=self.track, bytes=nbytes
-        ):
-            self.state.apply_push(total, message.step)
-        reply = self.state.snapshot(message.step)
-        tally = self.log.tally(message.step)
-        for worker in range(self.log.num_workers):
-            tally.bytes_sent += self.outbox.send(worker, reply)
-            tally.replies += 1
-        tally.busy_s += time.perf_counter() - started
-        self.pending.clear()
+# -- the loop -----------------------------------------------------------------------------
 
 
-class BoundedStaleness:
-    """Apply each push on arrival; hold an answer back only to keep the staleness bound."""
+class ServerPolicy:
+    """What a strategy's server does with each kind of message (override what applies).
 
-    timeline: NullTimeline = NullTimeline()
-    track: str = "server"
+    ``outbox`` answers workers; ``metrics`` tallies per step. :meth:`on_push` and
+    :meth:`state_tensors` are the strategy's; the rest have the common behaviour.
+    """
 
-    def __init__(
-        self, state: ShardState, outbox: Outbox, log: RoundLog, staleness: int | None
-    ) -> None:
-        self.state, self.outbox, self.log = state, outbox, log
-        self.staleness = staleness
-        self.clocks = [0] * log.num_workers  # steps each worker has completed here
-        self.waiting: list[tuple[int, int]] = []  # (worker, step) whose answer is held
+    outbox: Outbox
+    metrics: ServerMetrics
 
     def on_push(self, message: Message) -> None:
-        started = time.perf_counter()
-        with self.timeline.span(
-            self.track,
-            Phase.SERVER_APPLY,
-            step=message.step,
-            tensor=self.track,
-            worker=message.worker,
-        ):
-            self.state.apply_push(message.payload / self.log.num_workers, message.step)
-        self.clocks[message.worker] = message.step + 1
-        self.waiting.append((message.worker, message.step))
-        self.log.tally(message.step).busy_s += time.perf_counter() - started
-        self._release()
+        raise NotImplementedError
 
-    def _release(self) -> None:
-        slowest = min(self.clocks)
-        held = []
-        for worker, step in self.waiting:
-            # SSP: the pusher's next step (step + 1) may lead the slowest by ≤ staleness.
-            if self.staleness is not None and step + 1 - slowest > self.staleness:
-                held.append((worker, step))
-                continue
-            tally = self.log.tally(step)
-            tally.bytes_sent += self.outbox.send(worker, self.state.snapshot(step))
-            tally.replies += 1
-        self.waiting = held
+    def on_pull(self, message: Message) -> None:
+        raise RuntimeError(f"worker {message.worker} sent a pull, which this server never answers")
+
+    def on_state(self, message: Message) -> None:
+        """A checkpoint request: answer with the state now."""
+        self.outbox.send_state(message.worker, self.state_tensors())
+
+    def on_done(self, worker: int) -> None:
+        """``worker`` has finished (its last push was answered)."""
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """After the last worker's DONE: every answer has left."""
+        self.outbox.flush()
 
 
-def serve(
-    inbox: Inbox,
-    outbox: Outbox,
-    state: ShardState,
+def serve(inbox: Inbox, policy: ServerPolicy, *, num_workers: int) -> None:
+    """Hand every message to ``policy`` until all ``num_workers`` workers are done."""
+    done: set[int] = set()
+    try:
+        while len(done) < num_workers:
+            message = inbox.get()
+            kind = message.kind
+            if kind in (Kind.PUSH, Kind.NO_GRADIENT):
+                tally = policy.metrics.tally(message.step)
+                tally.pushes += 1
+                tally.bytes_recv += message.wire_bytes
+                policy.on_push(message)
+            elif kind == Kind.PULL:
+                policy.metrics.tally(message.step).bytes_recv += message.wire_bytes
+                policy.on_pull(message)
+            elif kind == Kind.STATE:
+                policy.on_state(message)
+            elif kind == Kind.LOAD:
+                policy.load_state_tensors(decode_state(message.tensors[0]))
+            elif kind == Kind.DONE:
+                done.add(message.worker)
+                policy.on_done(message.worker)
+            else:
+                raise RuntimeError(f"unknown message kind {kind} from worker {message.worker}")
+        policy.close()
+    finally:
+        policy.metrics.close()
+
+
+def endpoints(
     *,
     num_workers: int,
-    synchronous: bool,
-    staleness: int | None = None,
-    on_round: Callable[[ServerRound], None] = lambda _: None,
-    timeline: NullTimeline | None = None,
-    track: str = "server",
-) -> None:
-    """Answer pushes and state requests until all ``num_workers`` workers are done.
-
-    ``timeline`` records SERVER_AGGREGATE and SERVER_APPLY on ``track``.
-    """
-    log = RoundLog(num_workers, on_round)
-    rule = (
-        SyncRounds(state, outbox, log)
-        if synchronous
-        else BoundedStaleness(state, outbox, log, staleness)
+    local_worker: int | None,
+    group: Any,
+    timeout_s: float,
+    read_body: ReadBody,
+    deliver_local: Callable[[Message], None] | None = None,
+    reply_group: Any = None,
+) -> tuple[Inbox, Outbox]:
+    """A server's inbox (receivers from every worker but ``local_worker``) and outbox
+    (replies on ``reply_group``, default ``group``; ``local_worker``'s to ``deliver_local``).
+    Worker k is global rank k."""
+    remote = {w: w for w in range(num_workers) if w != local_worker}
+    inbox = Inbox(remote=remote.values(), group=group, timeout_s=timeout_s, read_body=read_body)
+    outbox = Outbox(
+        ranks=remote,
+        group=group if reply_group is None else reply_group,
+        tag=TAG_REPLY,
+        local_peer=local_worker,
+        deliver_local=deliver_local,
     )
-    rule.timeline, rule.track = timeline or NullTimeline(), track
-    done: set[int] = set()
-    while len(done) < num_workers:
-        message = inbox.get()
-        if message.kind == DONE:
-            done.add(message.worker)
-        elif message.kind == STATE:
-            outbox.send_state(message.worker, state.state_tensors())
-        elif message.kind == PUSH:
-            tally = log.tally(message.step)
-            tally.pushes += 1
-            tally.bytes_recv += message.wire_bytes
-            rule.on_push(message)
-            log.report_complete()
-        else:
-            raise RuntimeError(f"unknown message kind {message.kind} from worker {message.worker}")
-    outbox.flush()
+    return inbox, outbox
+
+
+class ColocatedServer:
+    """A server running in a thread of a worker process.
+
+    If it fails, the process ends at once (exit 1, traceback on stderr): every other worker
+    waits on this server, so carrying on would only turn the failure into a timeout.
+    """
+
+    def __init__(self, run: Callable[[], None], *, name: str) -> None:
+        self.name = name
+        self._run = run
+        self.thread = threading.Thread(target=self._run_or_die, name=name, daemon=True)
+        self.thread.start()
+
+    def _run_or_die(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            print(f"colocated {self.name} failed:", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout=timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"the colocated {self.name} did not finish in {timeout_s:g} s")
 
 
 __all__ = [
-    "BoundedStaleness",
-    "ServerRound",
+    "ColocatedServer",
+    "Gather",
+    "Piece",
+    "ServerMetrics",
+    "ServerPolicy",
     "ShardState",
-    "SyncRounds",
+    "Tally",
+    "adopt_initial",
+    "assemble_checkpoint",
     "assemble_variable",
+    "endpoints",
+    "lay_out",
     "serve",
+    "share_initial",
+    "split_variable",
+    "sum_in_order",
 ]

@@ -13,13 +13,13 @@ round-robin on the servers. Per step:
 - a worker pulls, just before a lookup reads them, exactly the rows its batch needs; the
   server answers a pull of step t once it has applied step t - 1.
 
-Messages are variable-sized, so each is a fixed-size float64 header
-``[kind, worker, step, lr, n_0 … n_{k-1}, g_0 … g_{k-1}]`` (``n_i`` rows for the server's
-i-th partition; ``g_i`` = 1 when the pusher's variable had a gradient at all) followed, when
-rows are named, by their int64 indices and (pushes) their values (the run's dtype). A
-variable that had no gradient on any pusher is skipped by the server, as ``single``'s SGD
-skips a parameter whose ``.grad`` is None: its momentum does not move its rows that step.
-Replies go through :class:`gradsync.comm.pushpull.Outbox` (a queue for a colocated worker).
+Messages use the toolkit's framing (:mod:`gradsync.comm.wire`, served by
+:func:`gradsync.comm.server.serve`): a push or pull header is followed by a float64
+``[n_0 … n_{k-1}, g_0 … g_{k-1}]`` (``n_i`` rows for the server's i-th partition; ``g_i`` = 1
+when the pusher's variable had a gradient at all), then, when rows are named, their int64
+indices and (pushes) their values (the run's dtype). A variable that had no gradient on any
+pusher is skipped by the server, as ``single``'s SGD skips a parameter whose ``.grad`` is
+None: its momentum does not move its rows that step.
 
 Example:
     >>> v = SparseVariable("emb", num_rows=10, row_numel=4)
@@ -30,35 +30,31 @@ Example:
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
+import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load as load_tensors
 from torch import Tensor
 
+from gradsync.comm.groups import NodeGroup
+from gradsync.comm.lazy import LazyMomentumRows
 from gradsync.comm.placement import Variable, partition_variables, place_round_robin
-from gradsync.comm.pushpull import (
-    DONE,
-    PUSH,
-    STATE,
-    TAG_PULL,
-    TAG_STATE,
+from gradsync.comm.server import Gather, ServerMetrics, ServerPolicy
+from gradsync.comm.wire import (
+    HEADER,
+    TAG_REPLY,
+    Header,
+    Kind,
+    Message,
     Outbox,
-    TransportError,
-    wait_local_reply,
+    Recv,
+    ServerLinks,
 )
-from gradsync.trace import Phase
-
-PULL = 3
-TAG_SPARSE = 111
-FIXED_HEADER = 4  # kind, worker, step, lr; then per partition a row count, then a flag
-
+from gradsync.trace import NullTimeline, Phase
 
 # -- variables, partitions, coalescing -------------------------------------------------------
 
@@ -160,6 +156,56 @@ def split_rows(
     ]
 
 
+def gather_rows_on_node(
+    rows: dict[str, tuple[Tensor, Tensor]],
+    present: dict[str, bool],
+    num_rows: dict[str, int],
+    node: NodeGroup,
+) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, bool], int]:
+    """Collective over ``node``: every member's coalesced rows per variable (in
+    ``num_rows``' order), summed in member order (the same sum on every run), whether any
+    member had a gradient per variable, and the bytes this rank moved.
+
+    Three all-gathers: the row counts and flags, then the indices and values padded to
+    the longest member's.
+    """
+    names = list(num_rows)
+    counts = torch.tensor(
+        [len(rows[n][0]) for n in names] + [int(present[n]) for n in names], dtype=torch.long
+    )
+    all_counts = [torch.zeros_like(counts) for _ in node.ranks]
+    dist.all_gather(all_counts, counts, group=node.group)
+    widths = [rows[n][1].shape[1] for n in names]  # values are [rows, row_numel]
+    anywhere = {n: any(int(c[len(names) + i]) for c in all_counts) for i, n in enumerate(names)}
+    all_counts = [c[: len(names)] for c in all_counts]
+    max_idx = max(int(c.sum()) for c in all_counts)
+    max_val = max(sum(int(k) * w for k, w in zip(c, widths, strict=True)) for c in all_counts)
+    idx = torch.zeros(max_idx, dtype=torch.long)
+    val = torch.zeros(max_val)
+    flat_idx = torch.cat([rows[n][0] for n in names])
+    flat_val = torch.cat([rows[n][1].reshape(-1) for n in names])
+    idx[: len(flat_idx)] = flat_idx
+    val[: len(flat_val)] = flat_val
+    all_idx = [torch.empty_like(idx) for _ in node.ranks]
+    all_val = [torch.empty_like(val) for _ in node.ranks]
+    dist.all_gather(all_idx, idx, group=node.group)
+    dist.all_gather(all_val, val, group=node.group)
+    moved = (len(node.ranks) - 1) * (
+        idx.numel() * 8 + val.numel() * val.element_size() + counts.numel() * 8
+    )
+    per_member: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
+    for member_counts, member_idx, member_val in zip(all_counts, all_idx, all_val, strict=True):
+        i_off = v_off = 0
+        for n, k, w in zip(names, member_counts.tolist(), widths, strict=True):
+            per_member[n].append(
+                (member_idx[i_off : i_off + k], member_val[v_off : v_off + k * w].view(k, w))
+            )
+            i_off += k
+            v_off += k * w
+    merged = {n: sum_rows(per_member[n], num_rows[n]) for n in names}
+    return merged, anywhere, moved
+
+
 # -- the partition-count chooser ----------------------------------------------------------
 
 PARTITION_OVERHEAD_S = 20e-6  # per partition per step: bucketing, header entry, index ops
@@ -185,15 +231,18 @@ def choose_num_partitions(
     *,
     num_servers: int,
     candidates: Sequence[int] | None = None,
+    apply_cost: tuple[float, float] = (0.0, 0.0),
 ) -> PartitionChoice:
     """Parallax's automatic partitioning, as a small cost model over candidate counts.
 
     More partitions spread hot rows (low, frequent word ids) over more servers, so the
-    busiest server moves fewer bytes; each partition also costs a fixed overhead. For each
-    candidate P (S, 2S, 4S … 64S, at most the rows) the cost is
+    busiest server moves and applies fewer rows; each partition also costs a fixed
+    overhead. For each candidate P (S, 2S, 4S … 64S, at most the rows) the cost is
     ``P · variables · PARTITION_OVERHEAD_S + BYTE_TIME_S · 2 · max_server_bytes(P)``
-    (push and pull), where a server's bytes are the ``touched`` rows (measured) it owns.
-    Ties go to the smaller P.
+    (push and pull) plus the busiest server's apply time, ``apply_cost`` = (seconds per
+    partition, seconds per element) as :func:`measure_apply_cost` measures them; a server's
+    bytes and elements are those of the ``touched`` rows (measured) it owns. Ties go to the
+    smaller P.
 
     Example:
         >>> v = SparseVariable("emb", num_rows=50_000, row_numel=200)
@@ -205,17 +254,23 @@ def choose_num_partitions(
     if candidates is None:
         candidates = [num_servers << k for k in range(MAX_DOUBLINGS + 1)]
     candidates = sorted({min(c, most_rows) for c in candidates if c >= 1})
+    per_partition_s, per_element_s = apply_cost
     costs: dict[int, float] = {}
     for count in candidates:
-        loads = [0] * num_servers
+        loads = [0] * num_servers  # touched elements per server
+        applies = [0.0] * num_servers
         for p in partition_rows(variables, count, num_servers=num_servers):
+            applies[p.server] += per_partition_s
             rows = touched.get(p.name)
             if rows is None or not len(rows):
                 continue
             inside = int(((rows >= p.start) & (rows < p.stop)).sum())
-            loads[p.server] += inside * p.row_numel * 4
+            loads[p.server] += inside * p.row_numel
         num_parts = sum(min(count, v.num_rows) for v in variables)
-        costs[count] = num_parts * PARTITION_OVERHEAD_S + BYTE_TIME_S * 2 * max(loads)
+        busiest_apply = max(a + n * per_element_s for a, n in zip(applies, loads, strict=True))
+        costs[count] = (
+            num_parts * PARTITION_OVERHEAD_S + BYTE_TIME_S * 2 * 4 * max(loads) + busiest_apply
+        )
     best = min(costs, key=lambda c: (round(costs[c], 12), c))
     return PartitionChoice(best, costs)
 
@@ -223,35 +278,20 @@ def choose_num_partitions(
 # -- the server ---------------------------------------------------------------------------
 
 
-@dataclass
-class Request:
-    """One message as a server sees it. ``wire_bytes`` is 0 from a colocated worker."""
-
-    kind: int
-    worker: int
-    step: int
-    lr: float
-    indices: list[Tensor]  # per partition of the server, global row ids
-    values: list[Tensor] | None
-    wire_bytes: int
-    present: list[bool]  # per partition: the pusher's variable had a gradient
-
-
 class SparseShard:
-    """One server's row partitions and torch's SGD rule restricted to the rows it must touch.
+    """One server's row partitions under torch's SGD rule for sparse gradients.
 
-    ``torch.optim.SGD`` on a sparse gradient keeps a sparse momentum buffer whose rows are
-    every row ever touched; each step it decays all of them and moves them all. With
-    momentum m > 0 this shard does the same: ``active`` rows (ever touched), ``buf[active]
-    *= m; buf[touched] += g; value[active] -= lr · buf[active]``. Rows never touched keep
-    their bit pattern; with m = 0 (plain sparse SGD) so does every row not touched this step.
+    With momentum, each partition is a :class:`~gradsync.comm.lazy.LazyMomentumRows`:
+    the rows a step touches are updated, the others are caught up in closed form when
+    next read, so a step costs what its rows cost. Rows never touched keep their bit
+    pattern; with momentum 0 (plain sparse SGD) so does every row not touched this step.
 
     Example:
         >>> part = RowPartition("e", 0, 4, 1, 0)
         >>> shard = SparseShard([part], {"e": torch.zeros(4, 1)}, momentum=0.0)
         >>> shard.apply([(torch.tensor([2]), torch.ones(1, 1))], lr=0.5)
-        >>> shard.values[0].flatten().tolist()
-        [0.0, 0.0, -0.5, 0.0]
+        >>> shard.rows([torch.tensor([1, 2])]).tolist()
+        [0.0, -0.5]
     """
 
     def __init__(
@@ -259,299 +299,274 @@ class SparseShard:
     ) -> None:
         self.partitions = list(partitions)
         self.momentum = momentum
-        self.values = [
-            initial[p.name].reshape(-1, p.row_numel)[p.start : p.stop].clone()
+        self.parts = [
+            LazyMomentumRows(
+                initial[p.name].reshape(-1, p.row_numel)[p.start : p.stop].clone(),
+                momentum=momentum,
+            )
             for p in self.partitions
         ]
-        self.buffers = [torch.zeros_like(v) for v in self.values] if momentum else []
-        self.active = [torch.zeros(0, dtype=torch.long) for _ in self.partitions]
         self.num_applied = 0
 
     def apply(self, grads: Sequence[tuple[Tensor, Tensor] | None], *, lr: float) -> None:
         """One SGD step; ``grads[i]`` = (local row indices, rows) of partition i, or None
         when its variable had no gradient anywhere (then it is left alone, momentum too)."""
-        for i, entry in enumerate(grads):
-            if entry is None:
-                continue
-            rows, grad = entry
-            values = self.values[i]
-            if not self.momentum:
-                if len(rows):
-                    values.index_add_(0, rows, grad, alpha=-lr)
-                continue
-            buf, active = self.buffers[i], self.active[i]
-            if len(active):
-                buf[active] = buf[active] * self.momentum
-            if len(rows):
-                buf.index_add_(0, rows, grad)
-                active = torch.unique(torch.cat([active, rows]))
-                self.active[i] = active
-            if len(active):
-                values.index_add_(0, active, buf[active], alpha=-lr)
+        for part, entry in zip(self.parts, grads, strict=True):
+            if entry is not None:
+                part.apply(*entry, lr=lr)
         self.num_applied += 1
 
     def rows(self, indices: Sequence[Tensor]) -> Tensor:
         """The current values of the requested global rows, flat, in partition order."""
         pieces = [
-            self.values[i][rows - p.start].reshape(-1)
-            for i, (p, rows) in enumerate(zip(self.partitions, indices, strict=True))
+            part.read(rows - p.start).reshape(-1)
+            for part, p, rows in zip(self.parts, self.partitions, indices, strict=True)
             if len(rows)
         ]
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     def state_tensors(self) -> dict[str, Tensor]:
-        tensors = {f"{i}/values": v.clone() for i, v in enumerate(self.values)}
-        tensors.update({f"{i}/momentum_buffer": b.clone() for i, b in enumerate(self.buffers)})
+        """``<i>/values`` and, with momentum, ``<i>/momentum_buffer`` per partition i."""
+        tensors = {}
+        for i, part in enumerate(self.parts):
+            part.sync_all()
+            tensors[f"{i}/values"] = part.values.clone()
+            if self.momentum:
+                tensors[f"{i}/momentum_buffer"] = part.buffer.clone()
         return tensors
 
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """The inverse of :meth:`state_tensors`."""
+        for i, part in enumerate(self.parts):
+            part.load(tensors[f"{i}/values"], tensors.get(f"{i}/momentum_buffer"))
 
-def _counts(header: Tensor, num_partitions: int) -> list[int]:
-    return [int(n) for n in header[FIXED_HEADER : FIXED_HEADER + num_partitions].tolist()]
+
+def measure_apply_cost(row_numel: int, *, momentum: float, rows: int = 256) -> tuple[float, float]:
+    """Seconds one server spends applying a partition's step: (fixed, per element).
+
+    Timed on a scratch partition (the fastest of a few repeats), so the partition chooser
+    prices the apply as this machine runs it.
+    """
+    part = RowPartition("scratch", 0, 2 * rows, row_numel, 0)
+    shard = SparseShard([part], {"scratch": torch.zeros(2 * rows, row_numel)}, momentum=momentum)
+
+    def fastest(n: int) -> float:
+        index, grad = torch.arange(0, 2 * n, 2), torch.ones(n, row_numel)
+        best = math.inf
+        for _ in range(5):
+            started = time.perf_counter()
+            shard.apply([(index, grad)], lr=0.1)
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    one, many = fastest(1), fastest(rows)
+    return one, max(many - one, 0.0) / ((rows - 1) * row_numel)
 
 
-class SparseInbox:
-    """Every request addressed to one server, in arrival order (one thread per remote worker)."""
+def sparse_reader(partitions: Sequence[RowPartition]):
+    """A server's :data:`~gradsync.comm.wire.ReadBody` for pushes and pulls: per-partition
+    row counts and had-a-gradient flags (float64), then the rows' indices and (pushes)
+    their values."""
+    widths = [p.row_numel for p in partitions]
 
-    def __init__(
-        self,
-        partitions: Sequence[RowPartition],
-        *,
-        remote: dict[int, int],
-        group: Any,
-        timeout_s: float,
-    ) -> None:
-        self.partitions = list(partitions)
-        self.timeout_s = timeout_s
-        self._queue: queue.Queue[Request | BaseException] = queue.Queue()
-        for rank in remote.values():
-            threading.Thread(
-                target=self._receive, args=(rank, group), name=f"sparse-recv-{rank}", daemon=True
-            ).start()
+    def read(header: Header, recv: Recv) -> list[Tensor]:
+        if header.kind not in (Kind.PUSH, Kind.PULL):
+            return []
+        meta = recv(torch.empty(2 * len(widths), dtype=torch.float64))
+        counts = [int(n) for n in meta[: len(widths)].tolist()]
+        if not sum(counts):
+            return [meta]
+        indices = recv(torch.empty(sum(counts), dtype=torch.long))
+        if header.kind == Kind.PULL:
+            return [meta, indices]
+        values = recv(torch.empty(sum(n * w for n, w in zip(counts, widths, strict=True))))
+        return [meta, indices, values]
 
-    def _receive(self, rank: int, group: Any) -> None:
-        try:
-            while True:
-                header = torch.empty(FIXED_HEADER + 2 * len(self.partitions), dtype=torch.float64)
-                dist.recv(header, src=rank, group=group, tag=TAG_SPARSE)
-                kind, counts = int(header[0]), _counts(header, len(self.partitions))
-                wire = header.numel() * 8
-                indices = torch.empty(sum(counts), dtype=torch.long)
-                values = None
-                if len(indices):
-                    dist.recv(indices, src=rank, group=group, tag=TAG_SPARSE)
-                    wire += indices.numel() * 8
-                    if kind == PUSH:
-                        width = sum(
-                            n * p.row_numel for n, p in zip(counts, self.partitions, strict=True)
-                        )
-                        values = torch.empty(width)
-                        dist.recv(values, src=rank, group=group, tag=TAG_SPARSE)
-                        wire += values.numel() * values.element_size()
-                self._queue.put(self._decode(header, counts, indices, values, wire))
-                if kind == DONE:
-                    return
-        except BaseException as error:  # the server loop re-raises it, naming the rank
-            self._queue.put(TransportError(f"receiving from rank {rank} failed: {error}"))
+    return read
 
-    def _decode(
-        self, header: Tensor, counts: list[int], indices: Tensor, values: Tensor | None, wire: int
-    ) -> Request:
-        index_parts = list(torch.split(indices, counts))
-        value_parts = None
-        if values is not None or int(header[0]) == PUSH:
-            widths = [n * p.row_numel for n, p in zip(counts, self.partitions, strict=True)]
-            flat = values if values is not None else torch.zeros(0)
-            value_parts = [
+
+@dataclass
+class Rows:
+    """A push or pull cut per partition: global row ids, values (pushes), gradient flags."""
+
+    indices: list[Tensor]
+    values: list[Tensor] | None
+    present: list[bool]
+
+    @classmethod
+    def decode(cls, message: Message, partitions: Sequence[RowPartition]) -> Rows:
+        meta, *rest = message.tensors
+        k = len(partitions)
+        counts = [int(n) for n in meta[:k].tolist()]
+        indices = list(torch.split(rest[0] if rest else torch.zeros(0, dtype=torch.long), counts))
+        values = None
+        if message.kind == Kind.PUSH:
+            flat = rest[1] if len(rest) > 1 else torch.zeros(0)
+            widths = [n * p.row_numel for n, p in zip(counts, partitions, strict=True)]
+            values = [
                 v.reshape(n, p.row_numel)
-                for v, n, p in zip(torch.split(flat, widths), counts, self.partitions, strict=True)
+                for v, n, p in zip(torch.split(flat, widths), counts, partitions, strict=True)
             ]
-        kind, worker, step = (int(x) for x in header[:3].tolist())
-        flags = header[FIXED_HEADER + len(counts) :].gt(0).tolist()
-        return Request(kind, worker, step, float(header[3]), index_parts, value_parts, wire, flags)
-
-    def put_local(
-        self, header: Tensor, counts: list[int], indices: Tensor, values: Tensor | None
-    ) -> None:
-        """A request from the worker in this process (private copies)."""
-        self._queue.put(self._decode(header, counts, indices, values, 0))
-
-    def get(self) -> Request:
-        try:
-            item = self._queue.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise TransportError(
-                f"no request reached this server in {self.timeout_s:g} s"
-            ) from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return cls(indices, values, meta[k:].gt(0).tolist())
 
 
-@dataclass
-class RoundTally:
-    """Bytes one server moved for one step (pushes and pull requests in, pull replies out)."""
-
-    bytes_recv: int = 0
-    bytes_sent: int = 0
-    busy_s: float = 0.0
-
-
-@dataclass
-class SparseServer:
-    """The loop of one sparse server: synchronous rounds over the pushers' pushes.
+class SparseServer(ServerPolicy):
+    """Synchronous rounds over the pushers' pushes; pulls answered once the step before
+    them is applied.
 
     ``pushers`` are the worker indices that push (one per node with local aggregation);
     ``scale`` multiplies the summed gradient (1/workers when averaging, 1 when summing).
     """
 
-    shard: SparseShard
-    inbox: SparseInbox
-    outbox: Outbox
-    pushers: list[int]
-    num_workers: int
-    scale: float
-    timeline: Any
-    track: str
-    on_round: Callable[[int, RoundTally], None] = lambda step, tally: None
-    pending: dict[int, Request] = field(default_factory=dict)
-    waiting: list[Request] = field(default_factory=list)
-    tallies: dict[int, RoundTally] = field(default_factory=dict)
+    def __init__(
+        self,
+        shard: SparseShard,
+        outbox: Outbox,
+        metrics: ServerMetrics,
+        *,
+        pushers: Sequence[int],
+        scale: float,
+        timeline: Any = None,
+        track: str = "sparse-server",
+    ) -> None:
+        self.shard, self.outbox, self.metrics = shard, outbox, metrics
+        self.pushers = list(pushers)
+        self.scale = scale
+        self.timeline = timeline or NullTimeline()
+        self.track = track
+        self.rounds = Gather(self.pushers)
+        self.waiting: list[Message] = []
 
-    def run(self) -> None:
-        done: set[int] = set()
-        while len(done) < self.num_workers:
-            request = self.inbox.get()
-            tally = self.tallies.setdefault(max(request.step, 0), RoundTally())
-            tally.bytes_recv += request.wire_bytes
-            if request.kind == DONE:
-                done.add(request.worker)
-            elif request.kind == PUSH:
-                self._on_push(request)
-            elif request.kind in (PULL, STATE):
-                self.waiting.append(request)
-                self._answer_ready()
-            else:
-                raise RuntimeError(f"unknown request kind {request.kind} from {request.worker}")
-        self.outbox.flush()
-
-    def _on_push(self, request: Request) -> None:
-        if request.worker in self.pending:
-            raise RuntimeError(f"worker {request.worker} pushed step {request.step} twice")
-        self.pending[request.worker] = request
-        if len(self.pending) < len(self.pushers):
+    def on_push(self, message: Message) -> None:
+        step, lr = message.step, message.header.lr
+        pushes = self.rounds.add(step, message.worker, Rows.decode(message, self.shard.partitions))
+        if pushes is None:
             return
-        started = time.perf_counter()
-        step, lr = request.step, self.pending[self.pushers[0]].lr
-        grads = []
-        with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, step=step):
-            for i, p in enumerate(self.shard.partitions):
-                if not any(self.pending[w].present[i] for w in self.pushers):
-                    grads.append(None)  # no gradient anywhere: single's SGD skips it
-                    continue
-                # Fixed pusher order: bit-identical reruns.
-                parts = [
-                    (self.pending[w].indices[i], self.pending[w].values[i]) for w in self.pushers
-                ]
-                rows, grad = sum_rows(parts, p.stop)
-                grads.append((rows - p.start, grad * self.scale if self.scale != 1 else grad))
-        with self.timeline.span(self.track, Phase.SERVER_APPLY, step=step):
-            self.shard.apply(grads, lr=lr)
-        self.pending.clear()
-        tally = self.tallies.setdefault(step, RoundTally())
-        tally.busy_s += time.perf_counter() - started
+        with self.metrics.busy(step):
+            with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, step=step):
+                grads = self._sum(pushes)
+            with self.timeline.span(self.track, Phase.SERVER_APPLY, step=step):
+                self.shard.apply(grads, lr=lr)
         self._answer_ready()
         # Pulls of step t came before the pushes of step t: the round's tally is complete.
-        self.on_round(step, self.tallies.pop(step))
+        self.metrics.finish(step)
+
+    def _sum(self, pushes: list[Rows]) -> list[tuple[Tensor, Tensor] | None]:
+        """Per partition: the pushers' rows summed (pusher order: bit-identical reruns)."""
+        grads: list[tuple[Tensor, Tensor] | None] = []
+        for i, p in enumerate(self.shard.partitions):
+            if not any(push.present[i] for push in pushes):
+                grads.append(None)  # no gradient anywhere: single's SGD skips it
+                continue
+            parts = [(push.indices[i], push.values[i]) for push in pushes if push.values]
+            rows, grad = sum_rows(parts, p.stop)
+            grads.append((rows - p.start, grad * self.scale if self.scale != 1 else grad))
+        return grads
+
+    def on_pull(self, message: Message) -> None:
+        self.waiting.append(message)
+        self._answer_ready()
+
+    def on_state(self, message: Message) -> None:
+        self.waiting.append(message)
+        self._answer_ready()
 
     def _answer_ready(self) -> None:
         held = []
         for request in self.waiting:
             if self.shard.num_applied < request.step:  # step t reads step t - 1's update
                 held.append(request)
-            elif request.kind == STATE:
+            elif request.kind == Kind.STATE:
                 self.outbox.send_state(request.worker, self.shard.state_tensors())
             else:
-                reply = self.shard.rows(request.indices)
-                sent = self.outbox.send(request.worker, reply, TAG_PULL)
-                self.tallies.setdefault(request.step, RoundTally()).bytes_sent += sent
+                wanted = Rows.decode(request, self.shard.partitions).indices
+                with self.metrics.busy(request.step):
+                    values = self.shard.rows(wanted)
+                sent = self.outbox.send(
+                    request.worker, Header(Kind.REPLY, step=request.step), [values]
+                )
+                self.metrics.tally(request.step).bytes_sent += sent
         self.waiting = held
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        return self.shard.state_tensors()
+
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        self.shard.load_state_tensors(tensors)
+
+
+def install_rows(
+    states: Sequence[dict[str, Tensor]],
+    on_server: Sequence[Sequence[RowPartition]],
+    tables: dict[str, Tensor],
+    buffers: dict[str, Tensor] | None = None,
+) -> None:
+    """Write every server's rows (``states[s]``: :meth:`SparseShard.state_tensors`) into
+    the whole ``tables`` and, with momentum, ``buffers`` (name → tensor, rows first)."""
+    for state, parts in zip(states, on_server, strict=True):
+        for i, p in enumerate(parts):
+            rows = slice(p.start, p.stop)
+            tables[p.name].view(-1, p.row_numel)[rows] = state[f"{i}/values"]
+            if buffers is not None:
+                buffers[p.name].view(-1, p.row_numel)[rows] = state[f"{i}/momentum_buffer"]
+
+
+def cut_rows(
+    tables: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    on_server: Sequence[Sequence[RowPartition]],
+) -> list[dict[str, Tensor]]:
+    """The inverse of :func:`install_rows`: each server's state from whole tables (resume).
+
+    Example:
+        >>> parts = [[RowPartition("e", 0, 1, 2, 0)], [RowPartition("e", 1, 3, 2, 1)]]
+        >>> cut_rows({"e": torch.arange(6.0).view(3, 2)}, {}, parts)[1]["0/values"].tolist()
+        [[2.0, 3.0], [4.0, 5.0]]
+    """
+    states = []
+    for parts in on_server:
+        state = {}
+        for i, p in enumerate(parts):
+            rows = slice(p.start, p.stop)
+            state[f"{i}/values"] = tables[p.name].reshape(-1, p.row_numel)[rows]
+            if p.name in buffers:
+                state[f"{i}/momentum_buffer"] = buffers[p.name].reshape(-1, p.row_numel)[rows]
+        states.append(state)
+    return states
 
 
 # -- the worker's end ---------------------------------------------------------------------
 
 
-class SparseClient:
+class SparseClient(ServerLinks):
     """A worker's end: push coalesced rows to servers, pull the rows a lookup needs.
 
-    ``servers`` lists each server's global rank (None: the server in this process, reached
-    through ``local`` = (its inbox, its outbox)); ``partitions[s]`` are server s's.
+    ``partitions[s]`` are server s's; the rest as :class:`~gradsync.comm.wire.ServerLinks`.
     """
 
-    def __init__(
-        self,
-        *,
-        worker: int,
-        servers: Sequence[int | None],
-        partitions: Sequence[Sequence[RowPartition]],
-        group: Any,
-        timeout_s: float,
-        local: tuple[SparseInbox, Outbox] | None = None,
-        alive: Callable[[], bool] = lambda: True,
-    ) -> None:
-        self.worker = worker
-        self.servers = list(servers)
+    def __init__(self, *, partitions: Sequence[Sequence[RowPartition]], **links: Any) -> None:
+        super().__init__(**links)
         self.partitions = [list(p) for p in partitions]
-        self.group = group
-        self.timeout_s = timeout_s
-        self.local = local
-        self.alive = alive
 
-    def _header(
-        self,
-        kind: int,
-        step: int,
-        lr: float,
-        counts: Sequence[int],
-        present: Sequence[bool] | None = None,
-    ) -> Tensor:
-        flags = [float(p) for p in present] if present is not None else [0.0] * len(counts)
-        return torch.tensor([kind, self.worker, step, lr, *counts, *flags], dtype=torch.float64)
-
-    def _send(
+    def _send_rows(
         self,
         server: int,
-        kind: int,
-        step: int,
-        lr: float,
+        header: Header,
         indices: Sequence[Tensor],
         values: Sequence[Tensor] | None = None,
         present: Sequence[bool] | None = None,
     ) -> int:
-        counts = [len(i) for i in indices]
-        header = self._header(kind, step, lr, counts, present)
-        flat_indices = torch.cat(list(indices)) if indices else torch.zeros(0, dtype=torch.long)
-        flat_values = None
-        if values is not None and len(flat_indices):
-            flat_values = torch.cat([v.reshape(-1) for v in values]).to(torch.get_default_dtype())
-        rank = self.servers[server]
-        if rank is None:
-            assert self.local is not None
-            self.local[0].put_local(
-                header,
-                counts,
-                flat_indices.clone(),
-                None if flat_values is None else flat_values.clone(),
-            )
-            return 0
-        dist.send(header, dst=rank, group=self.group, tag=TAG_SPARSE)
-        sent = header.numel() * 8
-        if len(flat_indices):
-            dist.send(flat_indices.contiguous(), dst=rank, group=self.group, tag=TAG_SPARSE)
-            sent += flat_indices.numel() * 8
-            if flat_values is not None:
-                dist.send(flat_values.contiguous(), dst=rank, group=self.group, tag=TAG_SPARSE)
-                sent += flat_values.numel() * flat_values.element_size()
-        return sent
+        counts = [float(len(i)) for i in indices]
+        flags = [float(p) for p in present] if present is not None else [0.0] * len(counts)
+        tensors = [torch.tensor([*counts, *flags], dtype=torch.float64)]
+        if sum(counts):
+            tensors.append(torch.cat(list(indices)))
+            if values is not None:
+                flat = torch.cat([v.reshape(-1) for v in values])
+                tensors.append(flat.to(torch.get_default_dtype()))
+        if self.servers[server] is None:  # the server keeps what it gets: private copies
+            tensors = [t.clone() for t in tensors]
+        return self.send(server, header, tensors)
 
     def push(
         self,
@@ -562,8 +577,9 @@ class SparseClient:
     ) -> int:
         """Send server s the (indices, values) of each of its partitions and whether their
         variables had a gradient (``present[s][i]``); returns wire bytes."""
+        header = Header(Kind.PUSH, worker=self.worker, step=step, lr=lr)
         return sum(
-            self._send(s, PUSH, step, lr, [i for i, _ in parts], [v for _, v in parts], flags)
+            self._send_rows(s, header, [i for i, _ in parts], [v for _, v in parts], flags)
             for s, (parts, flags) in enumerate(zip(rows, present, strict=True))
         )
 
@@ -580,58 +596,39 @@ class SparseClient:
                 len(r) * p.row_numel for r, p in zip(wanted[s], self.partitions[s], strict=True)
             )
             replies[s] = torch.empty(width)
-            if self.servers[s] is not None:  # receive posted before the request goes out
-                works.append(
-                    dist.irecv(replies[s], src=self.servers[s], group=self.group, tag=TAG_PULL)
-                )
-                received += width * replies[s].element_size()
+            rank = self.servers[s]
+            if rank is not None:  # receives posted before the request goes out
+                header = torch.empty(HEADER, dtype=torch.float64)
+                for tensor in (header, replies[s]):
+                    works.append(dist.irecv(tensor, src=rank, group=self.group, tag=TAG_REPLY))
+                received += HEADER * 8 + width * replies[s].element_size()
+        header = Header(Kind.PULL, worker=self.worker, step=step)
         for s in asked:
-            sent += self._send(s, PULL, step, 0.0, wanted[s])
+            sent += self._send_rows(s, header, wanted[s])
         for s in asked:
             if self.servers[s] is None:
-                replies[s] = self._local_reply(TAG_PULL)
+                replies[s] = self.local_reply().tensors[0]
         for work in works:
             work.wait()
         return replies, sent, received
-
-    def request_state(self, step: int) -> list[dict[str, Tensor]]:
-        """Every server's partitions (values, momentum) once it has applied ``step`` steps."""
-        for s, parts in enumerate(self.partitions):
-            self._send(s, STATE, step, 0.0, [torch.zeros(0, dtype=torch.long)] * len(parts))
-        states = []
-        for rank in self.servers:
-            if rank is None:
-                self._local_reply(TAG_STATE)  # the length; the bytes follow
-                data = self._local_reply(TAG_STATE)
-            else:
-                length = torch.zeros(1, dtype=torch.int64)
-                dist.recv(length, src=rank, group=self.group, tag=TAG_STATE)
-                data = torch.empty(int(length.item()), dtype=torch.uint8)
-                dist.recv(data, src=rank, group=self.group, tag=TAG_STATE)
-            states.append(load_tensors(data.numpy().tobytes()))
-        return states
-
-    def done(self) -> None:
-        """Tell every server this worker has finished."""
-        for s, parts in enumerate(self.partitions):
-            self._send(s, DONE, -1, 0.0, [torch.zeros(0, dtype=torch.long)] * len(parts))
-
-    def _local_reply(self, tag: int) -> Tensor:
-        assert self.local is not None
-        return wait_local_reply(self.local[1].local[tag], self.alive, self.timeout_s)
 
 
 __all__ = [
     "PartitionChoice",
     "RowPartition",
+    "Rows",
     "SparseClient",
-    "SparseInbox",
     "SparseServer",
     "SparseShard",
     "SparseVariable",
     "choose_num_partitions",
     "coalesce_rows",
+    "cut_rows",
+    "gather_rows_on_node",
+    "install_rows",
+    "measure_apply_cost",
     "partition_rows",
+    "sparse_reader",
     "split_rows",
     "sum_rows",
 ]

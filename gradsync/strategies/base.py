@@ -22,9 +22,11 @@ from torch import nn
 
 from gradsync.checkpoint import model_state
 from gradsync.comm.counters import CommStats
+from gradsync.comm.server import ColocatedServer, ServerPolicy, serve
+from gradsync.comm.wire import Inbox
 from gradsync.config import TrainConfig
 from gradsync.optim import Updater
-from gradsync.options import StrategyOptions
+from gradsync.options import InvalidOption, StrategyOptions, option
 from gradsync.trace import NullTimeline
 
 
@@ -130,6 +132,67 @@ class Strategy(ABC):
         """``param/``, ``buffer/`` and ``optim/`` tensors to save from this rank, or None."""
         state = self.checkpoint_state()
         return None if state is None else model_state(*state)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions(StrategyOptions):
+    """Where a server strategy's servers run: ``servers`` dedicated ranks after the workers
+    (None: 1), or ``colocate``: every worker also serves one shard, in a thread."""
+
+    servers: int | None = option(
+        None, help="dedicated server ranks after the workers (default 1)", at_least=1
+    )
+    colocate: bool = option(False, help="every worker also serves a shard (no extra ranks)")
+
+    def num_servers(self, workers: int) -> int:
+        """Server shards in the job: one per worker when colocated."""
+        return workers if self.colocate else (1 if self.servers is None else self.servers)
+
+    def extra_ranks(self, workers: int) -> int:
+        """Ranks the servers add after the workers: none when colocated."""
+        return 0 if self.colocate else self.num_servers(workers)
+
+    def check(self, workers: int) -> None:
+        if self.colocate and self.servers is not None:
+            raise InvalidOption(
+                "{servers} with {colocate}: colocated servers run inside the workers, not on "
+                "extra ranks; drop one of them",
+                type(self),
+            )
+
+
+class ServerStrategy(Strategy):
+    """A strategy with server ranks (``ps``, ``hybrid``, ``p3``) on the toolkit of
+    :mod:`gradsync.comm.server`: it says how server s is built (:meth:`_server`); this class
+    runs it on a dedicated rank or in a thread of a worker (colocated)."""
+
+    server_ranks: list[int]  # server s → its global rank (the worker's own when colocated)
+
+    def _server(
+        self, server: int, initial: dict[str, torch.Tensor], local_worker: int | None
+    ) -> tuple[Inbox, ServerPolicy]:
+        """Server ``server``'s inbox and policy, from the shared initial values;
+        ``local_worker`` shares its process (colocated)."""
+        raise NotImplementedError
+
+    def _run_dedicated(self, context: Context, initial: dict[str, torch.Tensor]) -> None:
+        """This rank is a server: answer the workers until every one of them is done."""
+        inbox, policy = self._server(self.server_ranks.index(context.rank), initial, None)
+        initial.clear()  # the policy holds its own copy of its part
+        serve(inbox, policy, num_workers=context.num_workers)
+
+    def _start_colocated(
+        self, context: Context, initial: dict[str, torch.Tensor]
+    ) -> tuple[Inbox, ColocatedServer]:
+        """Start this worker's server in a thread; returns its inbox (for this worker's
+        messages) and the thread."""
+        server = self.server_ranks.index(context.rank)
+        inbox, policy = self._server(server, initial, context.worker_index)
+        thread = ColocatedServer(
+            lambda: serve(inbox, policy, num_workers=context.num_workers),
+            name=f"{self.name} server {server}",
+        )
+        return inbox, thread
 
 
 def broadcast_parameters(model: nn.Module, group: Any = None) -> None:

@@ -27,14 +27,9 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import os
 import re
-import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,52 +40,52 @@ from gradsync.checkpoint import OPTIM, PARAM, model_state
 from gradsync.comm.counters import CommStats
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.groups import node_local_group
-from gradsync.comm.pushpull import Outbox
+from gradsync.comm.objects import broadcast_json, broadcast_tensors
+from gradsync.comm.server import ColocatedServer, ServerMetrics, endpoints
 from gradsync.comm.sparse import (
     RowPartition,
     SparseClient,
-    SparseInbox,
     SparseServer,
     SparseShard,
     SparseVariable,
     choose_num_partitions,
     coalesce_rows,
+    cut_rows,
+    gather_rows_on_node,
+    install_rows,
+    measure_apply_cost,
     partition_rows,
+    sparse_reader,
     split_rows,
-    sum_rows,
 )
+from gradsync.comm.wire import Inbox
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
-from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.options import InvalidOption, option
 from gradsync.probe import lookup_tables
 from gradsync.strategies.allreduce import AllreduceOptions
-from gradsync.strategies.base import Context, Strategy, broadcast_parameters
+from gradsync.strategies.base import Context, ServerOptions, ServerStrategy, broadcast_parameters
 from gradsync.trace import COMPUTE, Phase
 
 
 @dataclass(frozen=True, kw_only=True)
-class HybridOptions(AllreduceOptions):
+class HybridOptions(ServerOptions, AllreduceOptions):
     """Parallax's switches: where the sparse servers run, how rows are split and summed,
     which variables count as sparse; the dense path takes allreduce's options.
 
     Patterns are globs, or ``re:REGEX``; a dense pattern wins over a sparse one.
     """
 
-    servers: int | None = option(
-        None, help="dedicated server ranks after the workers (default 1)", at_least=1
-    )
-    colocate: bool = option(False, help="every worker also serves a shard (no extra ranks)")
     partitions: int | None = option(
         None,
-        help="row partitions per sparse variable (default: chosen by a cost model)",
+        help="row partitions per sparse variable (default: a cost model's choice)",
         metavar="P",
         at_least=1,
     )
     average_sparse: bool = option(
         True, help="average the workers' sparse gradients (off: sum them, as Parallax can)"
     )
-    local_aggregation: bool = option(True, help="sum sparse gradients inside a node before pushing")
+    local_aggregation: bool = option(True, help="sum sparse gradients inside a node first")
     sparse_patterns: tuple[str, ...] = option(
         (),
         help="treat matching variables as sparse (repeatable)",
@@ -104,17 +99,8 @@ class HybridOptions(AllreduceOptions):
         metavar="GLOB",
     )
 
-    def num_servers(self, workers: int) -> int:
-        """Sparse server shards in the job: one per worker when colocated."""
-        return workers if self.colocate else (1 if self.servers is None else self.servers)
-
     def check(self, workers: int) -> None:
-        if self.colocate and self.servers is not None:
-            raise InvalidOption(
-                "{servers} with {colocate}: colocated servers run inside the workers, not on "
-                "extra ranks; drop one of them",
-                HybridOptions,
-            )
+        super().check(workers)
         for pattern in (*self.sparse_patterns, *self.dense_patterns):
             if pattern.startswith("re:"):
                 try:
@@ -208,7 +194,7 @@ def _has_sparse(config: TrainConfig) -> bool:
 # -- the strategy ---------------------------------------------------------------------------
 
 
-class Hybrid(Strategy):
+class Hybrid(ServerStrategy):
     """Sparse variables via row-partitioned servers, dense ones via fused allreduce."""
 
     name = "hybrid"
@@ -217,9 +203,9 @@ class Hybrid(Strategy):
 
     @classmethod
     def num_server_ranks(cls, config: TrainConfig) -> int:
-        if config.strategy_options.colocate or not _has_sparse(config):
+        if not _has_sparse(config):
             return 0
-        return config.strategy_options.num_servers(config.workers)
+        return config.strategy_options.extra_ranks(config.workers)
 
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
@@ -271,11 +257,11 @@ class Hybrid(Strategy):
         env = detect_environment()
         node = env.node_rank if env is not None else 0
         # Who is on which node; servers get a node of their own (no local aggregation).
-        nodes: list[Any] = [None] * context.world_size
-        dist.all_gather_object(nodes, node if is_worker else None)
+        nodes = [torch.zeros(1, dtype=torch.long) for _ in range(context.world_size)]
+        dist.all_gather(nodes, torch.tensor([node if is_worker else -1]))
         workers_by_node: dict[int, list[int]] = {}
-        for rank, n in enumerate(nodes):
-            if n is not None:
+        for rank, n in enumerate(int(t) for t in nodes):
+            if n >= 0:
                 workers_by_node.setdefault(n, []).append(rank)
         if self.options.local_aggregation:
             self.node = node_local_group(node if is_worker else -1 - context.rank)
@@ -284,12 +270,12 @@ class Hybrid(Strategy):
             self.node = None
             self.pushers = list(range(context.num_workers))
 
-    def _receive_spec(self, spec: dict[str, Any] | None) -> dict[str, Any]:
-        """Worker 0's classification, geometry, partition count and initial rows, everywhere."""
-        box = [spec]
-        dist.broadcast_object_list(box, src=0)
-        spec = box[0]
-        assert spec is not None
+    def _receive_spec(self, spec: dict[str, Any] | None) -> dict[str, Tensor]:
+        """Worker 0's classification, geometry, partition count and initial rows, everywhere;
+        returns the initial rows."""
+        initial = spec.pop("initial") if spec is not None else None
+        spec = broadcast_json(spec)
+        self.spec_kinds: dict[str, str] = spec["kinds"]
         self.variables = [SparseVariable(*v) for v in spec["variables"]]
         self.partitions = partition_rows(
             self.variables, spec["num_partitions"], num_servers=self.num_servers
@@ -297,65 +283,39 @@ class Hybrid(Strategy):
         self.on_server = [
             [p for p in self.partitions if p.server == s] for s in range(self.num_servers)
         ]
-        return spec
+        return broadcast_tensors(initial)
 
-    def _make_server(
-        self, server: int, spec: dict[str, Any], local_worker: int | None
-    ) -> SparseServer:
+    def _server(
+        self, server: int, initial: dict[str, Tensor], local_worker: int | None
+    ) -> tuple[Inbox, SparseServer]:
+        """Server ``server``'s inbox and policy (``local_worker`` shares its process)."""
         context = self.context
         workers = context.num_workers
-        remote = {w: w for w in range(workers) if w != local_worker}
-        inbox = SparseInbox(
-            self.on_server[server],
-            remote=remote,
+        inbox, outbox = endpoints(
+            num_workers=workers,
+            local_worker=local_worker,
             group=self.group,
             timeout_s=context.config.launch.timeout_s,
+            read_body=sparse_reader(self.on_server[server]),
+            deliver_local=None if local_worker is None else self._local_replies.put,
         )
-        outbox = Outbox(remote=remote, local_worker=local_worker, group=self.group)
-        shard = SparseShard(
-            self.on_server[server], spec["initial"], momentum=context.config.optim.momentum
-        )
-        writer = MetricsWriter(Path(context.config.out), context.rank, prefix="server")
-        last = [time.perf_counter()]
-
-        def on_round(step: int, tally: Any) -> None:
-            now = time.perf_counter()
-            writer.write(
-                ServerRecord(
-                    step=step,
-                    rank=context.rank,
-                    server=server,
-                    bytes_recv=tally.bytes_recv,
-                    bytes_sent=tally.bytes_sent,
-                    busy_s=tally.busy_s,
-                    step_time_s=now - last[0],
-                )
-            )
-            last[0] = now
-
-        self._writer = writer
-        return SparseServer(
-            shard=shard,
-            inbox=inbox,
-            outbox=outbox,
+        shard = SparseShard(self.on_server[server], initial, momentum=context.config.optim.momentum)
+        policy = SparseServer(
+            shard,
+            outbox,
+            ServerMetrics.to_file(context.config.out, rank=context.rank, server=server),
             pushers=self.pushers,
-            num_workers=workers,
             scale=1.0 / workers if self.options.average_sparse else 1.0,
             timeline=context.timeline,
             track=f"sparse-server{server}",
-            on_round=on_round,
         )
+        return inbox, policy
 
     # -- dedicated server rank -----------------------------------------------------------
 
     def serve(self, context: Context) -> None:
         self._join(context, is_worker=False)
-        spec = self._receive_spec(None)
-        server = self.server_ranks.index(context.rank)
-        try:
-            self._make_server(server, spec, local_worker=None).run()
-        finally:
-            self._writer.close()
+        self._run_dedicated(context, self._receive_spec(None))
 
     # -- worker ----------------------------------------------------------------------------
 
@@ -396,7 +356,8 @@ class Hybrid(Strategy):
         self.updater = context.make_updater([p for _, p in dense] or [self._placeholder])
         self._step = 0
         self._connected = False
-        self._server_thread: threading.Thread | None = None
+        self._colocated: ColocatedServer | None = None
+        self._to_load: dict[str, Tensor] | None = None
         if not self.sparse_names:
             return model
         self._join(context, is_worker=True)
@@ -419,13 +380,17 @@ class Hybrid(Strategy):
             choice = None
             count = self.options.partitions
             if count is None:
-                choice = choose_num_partitions(variables, touched, num_servers=self.num_servers)
+                widest = max(v.row_numel for v in variables)
+                apply_cost = measure_apply_cost(widest, momentum=context.config.optim.momentum)
+                choice = choose_num_partitions(
+                    variables, touched, num_servers=self.num_servers, apply_cost=apply_cost
+                )
                 count = choice.num_partitions
             spec = {
                 "variables": [(v.name, v.num_rows, v.row_numel, v.element_size) for v in variables],
                 "num_partitions": count,
                 "kinds": self.kinds,
-                "initial": {n: self.params[n].detach().clone() for n in self.sparse_names},
+                "initial": {n: self.params[n].detach() for n in self.sparse_names},
             }
             where = "colocated on the workers" if self.options.colocate else "dedicated ranks"
             how = "--partitions" if choice is None else f"cost model: {choice.describe()}"
@@ -435,42 +400,34 @@ class Hybrid(Strategy):
                 f"pushers (local aggregation) {self.pushers}",
                 flush=True,
             )
-        spec = self._receive_spec(spec)
-        if spec["kinds"] != self.kinds:
+        initial = self._receive_spec(spec)
+        if self.spec_kinds != self.kinds:
             raise RuntimeError(
                 f"rank {context.rank} classified the variables differently "
-                f"from rank 0: {self.kinds} vs {spec['kinds']}"
+                f"from rank 0: {self.kinds} vs {self.spec_kinds}"
             )
-        local = None
-        if self.options.colocate:
-            server = self._make_server(context.rank, spec, local_worker=context.worker_index)
-            local = (server.inbox, server.outbox)
-            self._server_thread = threading.Thread(
-                target=self._serve_or_die, args=(server,), name="sparse-server", daemon=True
-            )
-            self._server_thread.start()
+        colocate = self.options.colocate
         self.client = SparseClient(
             worker=context.worker_index,
-            servers=[None if local and r == context.rank else r for r in self.server_ranks],
+            servers=[None if colocate and r == context.rank else r for r in self.server_ranks],
             partitions=self.on_server,
             group=self.group,
             timeout_s=context.config.launch.timeout_s,
-            local=local,
-            alive=lambda: self._server_thread is not None and self._server_thread.is_alive(),
+            alive=lambda: self._colocated is not None and self._colocated.alive(),
         )
+        self._local_replies = self.client.local_replies
+        if colocate:
+            self.client.local_inbox, self._colocated = self._start_colocated(context, initial)
         self._connected = True
-
-    def _serve_or_die(self, server: SparseServer) -> None:
-        try:
-            server.run()
-        except BaseException:
-            # A colocated server that fails must end the job now: its peers wait on it.
-            print("colocated sparse server failed:", file=sys.stderr)
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        finally:
-            self._writer.close()
+        if self._to_load is not None:
+            tables = {n: self._to_load[PARAM + n] for n in self.sparse_names}
+            buffers = {
+                n: self._to_load[key]
+                for n in self.sparse_names
+                if (key := f"{OPTIM}{n}/momentum_buffer") in self._to_load
+            }
+            self.client.load_state(cut_rows(tables, buffers, self.on_server))
+            self._to_load = None
 
     def _pull_rows(self, name: str, lookup: Tensor) -> None:
         """Forward pre-hook of a sparse lookup: fetch exactly the rows it is about to read."""
@@ -528,55 +485,15 @@ class Hybrid(Strategy):
         self, rows: dict[str, tuple[Tensor, Tensor]], present: dict[str, bool]
     ) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, bool]] | None:
         """Local aggregation: the node's workers' rows, summed, on its first worker (and
-        whether any of them had a gradient per variable)."""
+        whether any of them had a gradient per variable); None on the other workers."""
         node = self.node
         if node is None or len(node.ranks) == 1:
             return rows, present
         started = time.perf_counter()
-        names = self.sparse_names
-        counts = torch.tensor(
-            [len(rows[n][0]) for n in names] + [int(present[n]) for n in names], dtype=torch.long
-        )
-        all_counts = [torch.zeros_like(counts) for _ in node.ranks]
-        dist.all_gather(all_counts, counts, group=node.group)
-        widths = [self.params[n][0].numel() for n in names]
-        anywhere = {n: any(int(c[len(names) + i]) for c in all_counts) for i, n in enumerate(names)}
-        all_counts = [c[: len(names)] for c in all_counts]
-        max_idx = max(int(c.sum()) for c in all_counts)
-        max_val = max(sum(int(k) * w for k, w in zip(c, widths, strict=True)) for c in all_counts)
-        idx = torch.zeros(max_idx, dtype=torch.long)
-        val = torch.zeros(max_val)
-        flat_idx = torch.cat([rows[n][0] for n in names])
-        flat_val = torch.cat([rows[n][1].reshape(-1) for n in names])
-        idx[: len(flat_idx)] = flat_idx
-        val[: len(flat_val)] = flat_val
-        all_idx = [torch.empty_like(idx) for _ in node.ranks]
-        all_val = [torch.empty_like(val) for _ in node.ranks]
-        dist.all_gather(all_idx, idx, group=node.group)
-        dist.all_gather(all_val, val, group=node.group)
-        moved = (len(node.ranks) - 1) * (
-            idx.numel() * 8 + val.numel() * val.element_size() + counts.numel() * 8
-        )
+        num_rows = {n: self.params[n].shape[0] for n in self.sparse_names}
+        merged, anywhere, moved = gather_rows_on_node(rows, present, num_rows, node)
         self._count(moved, moved, time.perf_counter() - started)
-        if self.context.rank != self.pushers_on_node():
-            return None
-        merged = {}
-        per_member: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
-        for member_counts, member_idx, member_val in zip(all_counts, all_idx, all_val, strict=True):
-            i_off = v_off = 0
-            for n, k, w in zip(names, member_counts.tolist(), widths, strict=True):
-                per_member[n].append(
-                    (member_idx[i_off : i_off + k], member_val[v_off : v_off + k * w].view(k, w))
-                )
-                i_off += k
-                v_off += k * w
-        for n in names:  # node members in rank order: the same sum on every run
-            merged[n] = sum_rows(per_member[n], self.params[n].shape[0])
-        return merged, anywhere
-
-    def pushers_on_node(self) -> int:
-        assert self.node is not None
-        return min(self.node.ranks)
+        return (merged, anywhere) if self.context.rank == min(node.ranks) else None
 
     def step(self) -> None:
         assert self.updater is not None
@@ -625,30 +542,28 @@ class Hybrid(Strategy):
         if not self._connected:
             return tensors
         states = self.client.request_state(self._step)
-        momentum = self.context.config.optim.momentum
-        with torch.no_grad():
-            for s, parts in enumerate(self.on_server):
-                for i, p in enumerate(parts):
-                    table = self.params[p.name].data.view(self.params[p.name].shape[0], -1)
-                    table[p.start : p.stop] = states[s][f"{i}/values"]
-                    if momentum:
-                        key = f"{OPTIM}{p.name}/momentum_buffer"
-                        buffer = tensors.setdefault(key, torch.zeros_like(self.params[p.name]))
-                        buffer.view(table.shape)[p.start : p.stop] = states[s][
-                            f"{i}/momentum_buffer"
-                        ]
+        tables = {n: self.params[n].data for n in self.sparse_names}
+        buffers = None
+        if self.context.config.optim.momentum:
+            buffers = {n: torch.zeros_like(t) for n, t in tables.items()}
+            tensors.update({f"{OPTIM}{n}/momentum_buffer": b for n, b in buffers.items()})
+        with torch.no_grad():  # worker 0's tables get the servers' rows (evaluation reads them)
+            install_rows(states, self.on_server, tables, buffers)
         for name in self.sparse_names:
             tensors[PARAM + name] = self.params[name].detach().clone()
         return {k: v.contiguous() for k, v in tensors.items()}
+
+    def load_checkpoint_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Worker 0, after setup: the servers take their rows and momentum from a
+        checkpoint (keys of :meth:`checkpoint_tensors`) when they start (first step)."""
+        self._to_load = tensors
 
     def finish(self) -> None:
         if not self._connected:
             return
         self.client.done()
-        if self._server_thread is not None:
-            self._server_thread.join(timeout=self.context.config.launch.timeout_s)
-            if self._server_thread.is_alive():
-                raise RuntimeError("the colocated sparse server did not finish in time")
+        if self._colocated is not None:
+            self._colocated.join(self.context.config.launch.timeout_s)
 
 
 __all__ = ["Hybrid", "classify", "describe_classification"]

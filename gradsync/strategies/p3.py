@@ -39,41 +39,61 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from torch import Tensor, nn
 
-from gradsync.checkpoint import BUFFER, PARAM
 from gradsync.comm.counters import CommStats
 from gradsync.comm.layer_order import LayerOrder, Layers
-from gradsync.comm.priority import PrioritySender, SendRecord
-from gradsync.comm.pushpull import TransportError
-from gradsync.comm.server import ShardState, assemble_variable
+from gradsync.comm.priority import (
+    LAST,
+    SEND_WINDOW,
+    P3Server,
+    PrioritySender,
+    SendRecord,
+    slice_reader,
+)
+from gradsync.comm.server import (
+    ColocatedServer,
+    Piece,
+    ServerMetrics,
+    ShardState,
+    adopt_initial,
+    assemble_checkpoint,
+    endpoints,
+    share_initial,
+    split_variable,
+)
 from gradsync.comm.slicing import Slice, slice_variables
+from gradsync.comm.wire import (
+    TAG_PUSH,
+    TAG_REPLY,
+    Header,
+    Kind,
+    Message,
+    Recv,
+    ServerLinks,
+    TransportError,
+    decode_state,
+    nbytes,
+    start_receiver,
+)
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
-from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
-from gradsync.options import StrategyOptions, option
-from gradsync.strategies.base import Context, Strategy
+from gradsync.options import option
+from gradsync.strategies.base import Context, ServerOptions, ServerStrategy
 from gradsync.trace import COMPUTE, Phase
 
 DEFAULT_SLICE_SIZE = 40_000
 
 
 @dataclass(frozen=True, kw_only=True)
-class P3Options(StrategyOptions):
+class P3Options(ServerOptions):
     """P3's servers, slice size and send order; ``priority`` off sends in arrival order
     (FIFO), ``slicing`` off sends whole variables."""
 
-    servers: int | None = option(
-        None, help="dedicated server ranks after the workers (default 1)", at_least=1
-    )
     slice_size: int = option(
         DEFAULT_SLICE_SIZE,
         help="values per parameter slice (MXNet P3's default)",
@@ -83,57 +103,8 @@ class P3Options(StrategyOptions):
     priority: bool = option(True, help="send slices in layer order (off: FIFO)")
     slicing: bool = option(True, help="cut variables into slices (off: whole variables)")
 
-    def num_servers(self) -> int:
-        return 1 if self.servers is None else self.servers
 
-
-HEADER = 7  # kind, worker, step, slice, priority, length, lr
-PUSH, STATE, DONE, NO_GRADIENT = 0, 1, 2, 3  # worker → server
-SLICE, STATE_REPLY, FIN = 0, 1, 2  # server → worker
-TAG_PUSH, TAG_PULL = 111, 112
-LAST = 2**40  # priority of control messages: after every slice
-SEND_WINDOW = 4  # slices in flight per sender: keeps the link busy; preemption waits ≤ this
-
-
-def _header(
-    kind: int, worker: int, step: int, index: int, priority: int, length: int, lr: float = 0.0
-) -> Tensor:
-    return torch.tensor([kind, worker, step, index, priority, length, lr], dtype=torch.float64)
-
-
-def _decode(header: Tensor) -> tuple[int, int, int, int, int, int, float]:
-    values = header.tolist()
-    return (*(int(v) for v in values[:6]), float(values[6]))  # type: ignore[return-value]
-
-
-def _wait_all(works: list[Any], _keep_alive: Any) -> None:
-    """Wait for isends (bounded by the group's timeout); their tensors live until then."""
-    for work in works:
-        work.wait()
-
-
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _average(contributions: dict[int, Tensor | None], workers: int) -> Tensor | None:
-    """The workers' mean gradient, in fixed worker order (bit-identical reruns); a worker
-    without a gradient adds zeros; None when no worker had one.
-
-    Example:
-        >>> _average({0: torch.ones(2), 1: None}, 2).tolist()
-        [0.5, 0.5]
-    """
-    present = [contributions[w] for w in range(workers) if contributions[w] is not None]
-    if not present:
-        return None
-    total = present[0].clone()
-    for grad in present[1:]:
-        total += grad
-    return total / workers
-
-
-class PriorityPropagation(Strategy):
+class PriorityPropagation(ServerStrategy):
     """Sliced parameter server; slices sent in layer order; forward waits per layer."""
 
     name = "p3"
@@ -144,7 +115,7 @@ class PriorityPropagation(Strategy):
 
     @classmethod
     def num_server_ranks(cls, config: TrainConfig) -> int:
-        return config.strategy_options.num_servers()
+        return config.strategy_options.extra_ranks(config.workers)
 
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
@@ -162,7 +133,7 @@ class PriorityPropagation(Strategy):
 
     # -- both roles ----------------------------------------------------------------------
 
-    def _connect(self, context: Context, model: nn.Module | None) -> dict[str, Any]:
+    def _connect(self, context: Context, model: nn.Module | None) -> dict[str, Tensor]:
         """Collective on every rank: one group per direction, then worker 0's variables."""
         config, workers = context.config, context.num_workers
         self.context = context
@@ -171,196 +142,73 @@ class PriorityPropagation(Strategy):
         timeout = timedelta(seconds=self.timeout_s)
         self.push_group = dist.new_group(everyone, timeout=timeout)
         self.pull_group = dist.new_group(everyone, timeout=timeout)
-        self.num_servers = config.strategy_options.num_servers()
-        self.server_ranks = [workers + s for s in range(self.num_servers)]
-        spec: list[Any] = [None]
-        if context.rank == 0:
-            assert model is not None
-            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            spec = [
-                {
-                    "variables": [(n, p.numel()) for n, p in params],
-                    "initial": {n: p.detach().cpu() for n, p in params},
-                    "lr": context.lr,
-                }
-            ]
-        # Initial parameters: worker 0's, on every worker and server (Horovod's broadcast).
-        dist.broadcast_object_list(spec, src=0)
-        self.slices = _slices(config, spec[0]["variables"])
+        self.num_servers = config.strategy_options.num_servers(workers)
+        # Server s lives on rank s when colocated, after the workers otherwise.
+        colocate = config.strategy_options.colocate
+        self.server_ranks = [s if colocate else workers + s for s in range(self.num_servers)]
+        initial, self.lr0 = share_initial(model, context.lr)
+        self.slices = _slices(config, [(n, t.numel()) for n, t in initial.items()])
         if context.rank == 0:
             p3 = config.strategy_options
+            where = "colocated on the workers" if colocate else "dedicated ranks"
             print(
                 f"[rank 0] p3: {len(self.slices)} slices of ≤ "
                 f"{p3.slice_size if p3.slicing else 'unbounded'} values over "
-                f"{self.num_servers} server(s), round-robin; "
+                f"{self.num_servers} server(s) ({where}), round-robin; "
                 f"order: {'layer priority' if p3.priority else 'FIFO'}",
                 flush=True,
             )
-        return spec[0]
+        return initial
 
-    # -- server rank ---------------------------------------------------------------------
+    # -- server ------------------------------------------------------------------------
+
+    server_policy = P3Server  # tests substitute a subclass
+
+    def _server(self, server: int, initial: dict[str, Tensor], local_worker: int | None):
+        """Server ``server``'s inbox and policy (``local_worker`` shares its process)."""
+        context = self.context
+        config, workers = context.config, context.num_workers
+        states = {
+            s.index: ShardState(
+                initial[s.name].reshape(-1)[s.start : s.stop],
+                lambda ps: Updater(ps, config.optim, lr=self.lr0),
+            )
+            for s in self.slices
+            if s.server == server
+        }
+        inbox, outbox = endpoints(
+            num_workers=workers,
+            local_worker=local_worker,
+            group=self.push_group,
+            reply_group=self.pull_group,
+            timeout_s=self.timeout_s,
+            read_body=slice_reader,
+            deliver_local=None if local_worker is None else self._on_local_reply,
+        )
+        policy = self.server_policy(
+            states,
+            outbox,
+            ServerMetrics.to_file(config.out, rank=context.rank, server=server),
+            num_workers=workers,
+            fifo=not config.strategy_options.priority,
+            timeout_s=self.timeout_s,
+            timeline=context.timeline,
+            track=f"server {server}",
+        )
+        return inbox, policy
 
     def serve(self, context: Context) -> None:
-        spec = self._connect(context, None)
-        config, workers = context.config, context.num_workers
-        self.server = context.rank - workers
-        self.timeline = context.timeline
-        self.track = f"server {self.server}"
-        mine = [s for s in self.slices if s.server == self.server]
-        lr = spec["lr"]
-        self.states = {
-            s.index: ShardState(
-                spec["initial"][s.name].reshape(-1)[s.start : s.stop],
-                lambda ps: Updater(ps, config.optim, lr=lr),
-            )
-            for s in mine
-        }
-        del spec
-        inbox: queue.Queue[Any] = queue.Queue()
-        receivers = [
-            threading.Thread(
-                target=self._receive_pushes, args=(w, inbox), daemon=True, name=f"p3-recv-{w}"
-            )
-            for w in range(workers)
-        ]
-        for thread in receivers:
-            thread.start()
-        self.replies = PrioritySender(
-            self._send_reply,
-            name="p3-reply",
-            fifo=not config.strategy_options.priority,
-            window=SEND_WINDOW,
-        )
-        writer = MetricsWriter(Path(config.out), context.rank, prefix="server")
-        try:
-            self._serve_loop(inbox, writer, workers, len(mine))
-            self.replies.close(timeout_s=self.timeout_s)
-        finally:
-            writer.close()
-        for thread in receivers:
-            thread.join(timeout=self.timeout_s)
-
-    def _receive_pushes(self, worker: int, inbox: queue.Queue[Any]) -> None:
-        try:
-            while True:
-                header = torch.empty(HEADER, dtype=torch.float64)
-                dist.recv(header, src=worker, group=self.push_group, tag=TAG_PUSH)
-                kind, _, step, index, priority, length, _ = _decode(header)
-                payload = None
-                if kind == PUSH:  # NO_GRADIENT: a slice of a parameter without a gradient
-                    payload = torch.empty(length)
-                    dist.recv(payload, src=worker, group=self.push_group, tag=TAG_PUSH)
-                inbox.put((kind, worker, step, index, priority, payload))
-                if kind == DONE:
-                    return
-        except BaseException as error:  # the server loop re-raises it, naming the worker
-            inbox.put(TransportError(f"receiving from worker {worker} failed: {error}"))
-
-    def _serve_loop(
-        self, inbox: queue.Queue[Any], writer: MetricsWriter, workers: int, num_slices: int
-    ) -> None:
-        pending: dict[int, dict[int, Tensor]] = {}
-        applied: dict[int, int] = {}  # step → slices applied
-        tally: dict[int, list[float]] = {}  # step → [bytes in, bytes out, busy seconds]
-        done: set[int] = set()
-        last = time.perf_counter()
-        while len(done) < workers:
-            try:
-                item = inbox.get(timeout=self.timeout_s)
-            except queue.Empty:
-                raise TransportError(
-                    f"no message reached this server in {self.timeout_s:g} s"
-                ) from None
-            if isinstance(item, BaseException):
-                raise item
-            kind, worker, step, index, priority, payload = item
-            if self.replies.error is not None:
-                raise TransportError(f"sending replies failed: {self.replies.error}")
-            if kind == DONE:
-                done.add(worker)
-                self.replies.put((worker, _header(FIN, worker, -1, -1, 0, 0), None), LAST)
-                continue
-            if kind == STATE:
-                data = self._state_bytes()
-                header = _header(STATE_REPLY, worker, -1, -1, 0, data.numel())
-                self.replies.put((worker, header, data), LAST)
-                continue
-            counts = tally.setdefault(step, [0.0, 0.0, 0.0])
-            counts[0] += (0 if payload is None else _nbytes(payload)) + HEADER * 8
-            contributions = pending.setdefault(index, {})
-            if worker in contributions:
-                raise RuntimeError(f"worker {worker} pushed slice {index} of step {step} twice")
-            contributions[worker] = payload
-            if len(contributions) < workers:
-                continue
-            started = time.perf_counter()
-            del pending[index]
-            state = self.states[index]
-            args = dict(step=step, slice=index, priority=priority, bytes=_nbytes(state.values))
-            with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, **args):
-                total = _average(contributions, workers)
-            with self.timeline.span(self.track, Phase.SERVER_APPLY, **args):
-                # No gradient on any worker: skipped, as single's optimizer skips it.
-                state.apply(
-                    state.values if total is None else total, step, present=[total is not None]
-                )
-            values = state.values.detach().clone()
-            for w in range(workers):
-                header = _header(SLICE, w, step, index, priority, values.numel(), state.lr)
-                self._reply(w, header, values, priority)
-                counts[1] += _nbytes(values) + HEADER * 8
-            counts[2] += time.perf_counter() - started
-            applied[step] = applied.get(step, 0) + 1
-            if applied[step] == num_slices:  # this server has finished the step
-                now = time.perf_counter()
-                bytes_in, bytes_out, busy = tally.pop(step)
-                writer.write(
-                    ServerRecord(
-                        step=step,
-                        rank=self.context.rank,
-                        server=self.server,
-                        bytes_recv=int(bytes_in),
-                        bytes_sent=int(bytes_out),
-                        busy_s=busy,
-                        step_time_s=now - last,
-                    )
-                )
-                last = now
-                del applied[step]
-
-    def _reply(self, worker: int, header: Tensor, values: Tensor, priority: int) -> None:
-        """Queue an updated slice for ``worker`` (tests override it to slow a layer down)."""
-        self.replies.put((worker, header, values), priority)
-
-    def _send_reply(self, item: tuple[int, Tensor, Tensor | None], record: SendRecord):
-        worker, header, payload = item
-        works = [dist.isend(header, dst=worker, group=self.pull_group, tag=TAG_PULL)]
-        if payload is not None:
-            works.append(dist.isend(payload, dst=worker, group=self.pull_group, tag=TAG_PULL))
-        return lambda: _wait_all(works, item)
-
-    def _state_bytes(self) -> Tensor:
-        tensors = {}
-        for index, state in self.states.items():
-            for key, value in state.state_tensors().items():
-                tensors[f"{index}/{key}"] = value
-        return torch.frombuffer(bytearray(save_tensors(tensors)), dtype=torch.uint8)
+        self._run_dedicated(context, self._connect(context, None))
 
     # -- worker --------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, context: Context) -> nn.Module:
         self.model = model
-        spec = self._connect(context, model)
+        initial = self._connect(context, model)
         self.worker = context.worker_index
         self.timeline = context.timeline
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        with torch.no_grad():
-            for name, value in spec["initial"].items():
-                param = self.params[name]
-                if not param.is_contiguous():
-                    param.data = param.data.contiguous()  # receivers write flat views
-                param.copy_(value)
-        del spec
+        adopt_initial(self.params, initial)
         self.slices_of: dict[str, list[Slice]] = {}
         for s in self.slices:
             self.slices_of.setdefault(s.name, []).append(s)
@@ -381,6 +229,18 @@ class PriorityPropagation(Strategy):
         self._bytes_recv = [0] * self.num_servers
         self._exposed_s = 0.0
         self._states: list[queue.Queue[Tensor]] = [queue.Queue() for _ in self.server_ranks]
+        self._local_server: int | None = None
+        self._colocated: ColocatedServer | None = None
+        self.links = ServerLinks(
+            worker=self.worker,
+            servers=[None if r == context.rank else r for r in self.server_ranks],
+            group=self.push_group,
+            timeout_s=self.timeout_s,
+        )
+        if context.config.strategy_options.colocate:
+            self._local_server = self.server_ranks.index(context.rank)
+            self.links.local_inbox, self._colocated = self._start_colocated(context, initial)
+        del initial
         self.sender = PrioritySender(
             self._send_slice,
             name="p3-send",
@@ -388,13 +248,17 @@ class PriorityPropagation(Strategy):
             window=SEND_WINDOW,
         )
         self._receivers = [
-            threading.Thread(
-                target=self._receive_replies, args=(s, rank), daemon=True, name=f"p3-pull-{s}"
+            start_receiver(
+                rank=rank,
+                group=self.pull_group,
+                tag=TAG_REPLY,
+                read_body=lambda header, recv, s=s: self._read_reply(s, header, recv),
+                deliver=lambda message, s=s: self._on_reply(s, message),
+                name=f"p3-pull-{s}",
             )
             for s, rank in enumerate(self.server_ranks)
+            if s != self._local_server
         ]
-        for thread in self._receivers:
-            thread.start()
         return model
 
     def _finish_layer_order(self) -> Layers:
@@ -438,18 +302,18 @@ class PriorityPropagation(Strategy):
     def _send_slice(self, item: Any, record: SendRecord):
         if item[0] == "control":
             _, kind, server = item
-            header = _header(kind, self.worker, -1, -1, 0, 0)
-            dist.send(header, dst=self.server_ranks[server], group=self.push_group, tag=TAG_PUSH)
-            return
+            self.links.send(server, Header(kind, worker=self.worker), [])
+            return None
         s, step, layer, flat_grad = item
-        dst = self.server_ranks[s.server]
         if flat_grad is None:  # no gradient: a header alone, the server expects every slice
-            header = _header(NO_GRADIENT, self.worker, step, s.index, layer, 0)
-            dist.send(header, dst=dst, group=self.push_group, tag=TAG_PUSH)
-            self._bytes_sent += HEADER * 8
+            header = Header(Kind.NO_GRADIENT, self.worker, step, s.index, layer)
+            self._bytes_sent += self.links.send(s.server, header, [])
             return None
         payload = flat_grad[s.start : s.stop]
-        header = _header(PUSH, self.worker, step, s.index, layer, s.numel)
+        header = Header(Kind.PUSH, self.worker, step, s.index, layer, s.numel)
+        if s.server == self._local_server:
+            self.links.send(s.server, header, [payload])  # the server reads it, never writes
+            return None
         track = f"p3 push {record.seq % SEND_WINDOW}"  # one track per slice in flight
         self.timeline.begin(
             track,
@@ -460,66 +324,72 @@ class PriorityPropagation(Strategy):
             layer=layer,
             layer_name=self._layer_names[layer],
             priority=layer,
-            bytes=_nbytes(payload),
+            bytes=nbytes(payload),
             queued=record.num_waiting,
             next_priority=record.next_priority,
             server=s.server,
         )
+        dst, encoded = self.server_ranks[s.server], header.encode()
         works = [
-            dist.isend(header, dst=dst, group=self.push_group, tag=TAG_PUSH),
-            dist.isend(payload, dst=dst, group=self.push_group, tag=TAG_PUSH),
+            dist.isend(t, dst=dst, group=self.push_group, tag=TAG_PUSH) for t in (encoded, payload)
         ]
 
-        def finish() -> None:
-            _wait_all(works, (header, payload))
+        def finish() -> None:  # the tensors live in this closure until they have left
+            for work in works:
+                work.wait()
             self.timeline.end(track, Phase.PUSH, step=step)
-            self._bytes_sent += _nbytes(payload) + HEADER * 8
+            self._bytes_sent += nbytes(encoded) + nbytes(payload)
 
         return finish
 
-    def _receive_replies(self, server: int, rank: int) -> None:
-        track = f"p3 pull from server {server}"
-        try:
-            while True:
-                header = torch.empty(HEADER, dtype=torch.float64)
-                dist.recv(header, src=rank, group=self.pull_group, tag=TAG_PULL)
-                kind, _, step, index, priority, length, lr = _decode(header)
-                self._bytes_recv[server] += HEADER * 8
-                if kind == FIN:
-                    return
-                if kind == STATE_REPLY:
-                    data = torch.empty(length, dtype=torch.uint8)
-                    dist.recv(data, src=rank, group=self.pull_group, tag=TAG_PULL)
-                    self._states[server].put(data)
-                    continue
-                s = self.slices[index]
-                target = self.params[s.name].data.view(-1)[s.start : s.stop]
-                with self.timeline.span(
-                    track,
-                    Phase.PULL,
-                    step=step,
-                    slice=index,
-                    tensor=f"{s.name}[{s.start}:{s.stop}]",
-                    layer=priority,
-                    priority=priority,
-                    bytes=_nbytes(target),
-                ):
-                    # Straight into the parameter: nothing reads it until its layer is ready.
-                    dist.recv(target, src=rank, group=self.pull_group, tag=TAG_PULL)
-                self._bytes_recv[server] += _nbytes(target)
-                layer = self.layer_of[s.name]
-                with self._cond:
-                    self._lr = lr
-                    self._remaining[layer] -= 1
-                    if self._remaining[layer] == 0:
-                        self.ready_log.append((step, layer, time.perf_counter()))
-                        del self.ready_log[:-10_000]
-                        self._cond.notify_all()
-        except BaseException as error:
+    def _read_reply(self, server: int, header: Header, recv: Recv) -> list[Tensor]:
+        """A reply's payload goes straight into the parameter: nothing reads it until its
+        layer is ready."""
+        if header.kind != Kind.REPLY:
+            return []
+        s = self.slices[header.index]
+        target = self.params[s.name].data.view(-1)[s.start : s.stop]
+        with self.timeline.span(
+            f"p3 pull from server {server}",
+            Phase.PULL,
+            step=header.step,
+            slice=header.index,
+            tensor=f"{s.name}[{s.start}:{s.stop}]",
+            layer=header.priority,
+            priority=header.priority,
+            bytes=nbytes(target),
+        ):
+            recv(target)
+        return []
+
+    def _on_local_reply(self, message: Message) -> None:
+        """A reply of this process's server (on its reply thread): as if received."""
+        if message.kind == Kind.REPLY:
+            s = self.slices[message.header.index]
+            self.params[s.name].data.view(-1)[s.start : s.stop].copy_(message.tensors[0])
+        self._on_reply(self._local_server, message)
+
+    def _on_reply(self, server: int, message: Message | BaseException) -> None:
+        if isinstance(message, BaseException):
             with self._cond:
                 self._errors.append(
-                    TransportError(f"receiving from server {server} (rank {rank}) failed: {error}")
+                    TransportError(f"receiving from server {server} failed: {message}")
                 )
+                self._cond.notify_all()
+            return
+        self._bytes_recv[server] += message.wire_bytes
+        if message.kind == Kind.STATE_REPLY:
+            self._states[server].put(message.tensors[0])
+        if message.kind != Kind.REPLY:
+            return
+        header = message.header
+        layer = self.layer_of[self.slices[header.index].name]
+        with self._cond:
+            self._lr = header.lr
+            self._remaining[layer] -= 1
+            if self._remaining[layer] == 0:
+                self.ready_log.append((header.step, layer, time.perf_counter()))
+                del self.ready_log[:-10_000]
                 self._cond.notify_all()
 
     def _raise_if_failed(self) -> None:
@@ -584,23 +454,23 @@ class PriorityPropagation(Strategy):
             return None
         self._wait_for(None)  # every slice of the last step is applied on its server
         for server in range(self.num_servers):
-            self.sender.put(("control", STATE, server), LAST)
-        states: dict[int, dict[str, Tensor]] = {}
+            self.sender.put(("control", Kind.STATE, server), LAST)
+        per_slice: dict[int, dict[str, Tensor]] = {}
         for server in range(self.num_servers):
-            data = self._get_state(server)
-            for key, value in load_tensors(data.numpy().tobytes()).items():
+            for key, value in decode_state(self._get_state(server)).items():
                 index, _, rest = key.partition("/")
-                states.setdefault(int(index), {})[rest] = value
-        tensors: dict[str, Tensor] = {}
-        for name, param in self.model.named_parameters():
-            if name not in self.slices_of:  # frozen: never sliced, the worker's copy is the truth
-                tensors[PARAM + name] = param.detach().clone()
-                continue
-            parts = [(0, s.numel, states[s.index]) for s in self.slices_of[name]]  # start order
-            tensors.update(assemble_variable(parts, param.shape, name))
-        for name, buffer in self.model.named_buffers():
-            tensors[BUFFER + name] = buffer.detach().clone()
-        return {k: v.cpu().contiguous() for k, v in tensors.items()}
+                per_slice.setdefault(int(index), {})[rest] = value
+        pieces = [[_piece(s)] for s in self.slices]
+        return assemble_checkpoint(self.model, pieces, [per_slice[s.index] for s in self.slices])
+
+    def load_checkpoint_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Worker 0, after setup and before the first step: install a checkpoint's values
+        and optimizer state (keys of :meth:`checkpoint_tensors`) on every server."""
+        states: list[dict[str, Tensor]] = [{} for _ in range(self.num_servers)]
+        for s in self.slices:
+            for key, value in split_variable(tensors, [_piece(s)]).items():
+                states[s.server][f"{s.index}/{key}"] = value
+        self.links.load_state(states)
 
     def _get_state(self, server: int) -> Tensor:
         deadline = time.perf_counter() + self.timeout_s
@@ -617,13 +487,20 @@ class PriorityPropagation(Strategy):
     def finish(self) -> None:
         """Tell every server this worker is done; wait for their last message."""
         for server in range(self.num_servers):
-            self.sender.put(("control", DONE, server), LAST)
+            self.sender.put(("control", Kind.DONE, server), LAST)
         self.sender.close(timeout_s=self.timeout_s)
         for thread in self._receivers:
             thread.join(timeout=self.timeout_s)
         self._raise_if_failed()
         if any(thread.is_alive() for thread in self._receivers):
             raise TransportError(f"a server did not acknowledge the end in {self.timeout_s:g} s")
+        if self._colocated is not None:
+            self._colocated.join(self.timeout_s)
+
+
+def _piece(s: Slice) -> Piece:
+    """A slice as the one piece of its own server state."""
+    return Piece(s.name, s.start, s.stop, 0)
 
 
 def _slices(config: TrainConfig, variables: list[tuple[str, int]]) -> list[Slice]:
@@ -631,7 +508,7 @@ def _slices(config: TrainConfig, variables: list[tuple[str, int]]) -> list[Slice
     return slice_variables(
         variables,
         slice_size=p3.slice_size if p3.slicing else None,
-        num_servers=p3.num_servers(),
+        num_servers=p3.num_servers(config.workers),
     )
 
 

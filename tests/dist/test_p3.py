@@ -18,6 +18,7 @@ from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
 from gradsync.strategies.p3 import P3Options
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context
+from gradsync.comm.priority import P3Server
 from gradsync.strategies.p3 import PriorityPropagation
 
 DELAY_S = 0.4
@@ -25,14 +26,18 @@ STEPS = 4
 LAST_LAYER = 2  # Linear 0, Linear 2, Linear 4: three layers
 
 
-class SlowLastLayer(PriorityPropagation):
-    """The server answers the last layer's slices ``DELAY_S`` late (without blocking others)."""
+class SlowLastLayerServer(P3Server):
+    """Answers the last layer's slices ``DELAY_S`` late (without blocking others)."""
 
     def _reply(self, worker: int, header, values, priority: int) -> None:
         if priority == LAST_LAYER:
             threading.Timer(DELAY_S, super()._reply, (worker, header, values, priority)).start()
         else:
             super()._reply(worker, header, values, priority)
+
+
+class SlowLastLayer(PriorityPropagation):
+    server_policy = SlowLastLayerServer
 
 
 def _model() -> nn.Module:

@@ -232,3 +232,11 @@ def test_with_strategy_resets_the_options_to_the_new_strategys_defaults():
 def test_a_bool_option_refuses_a_number():
     with pytest.raises(UserError, match="--fp16-compression must be true or false, got 1"):
         TrainConfig(strategy_options={"fp16_compression": 1})
+
+
+@pytest.mark.parametrize("strategy", ["ps", "hybrid", "p3"])
+def test_colocated_servers_take_no_server_count_for_every_server_strategy(strategy: str) -> None:
+    with pytest.raises(UserError, match="--servers with --colocate"):
+        TrainConfig(strategy=strategy, workers=2, strategy_options={"servers": 2, "colocate": True})
+    config = TrainConfig(strategy=strategy, workers=3, strategy_options={"colocate": True})
+    assert config.strategy_options.num_servers(3) == 3  # one per worker
