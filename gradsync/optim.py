@@ -79,6 +79,25 @@ class Updater:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def resume_at(self, steps_done: int) -> None:
+        """Move the schedule to where it was after ``steps_done`` updates (``--resume``).
+
+        Example:
+            >>> model = nn.Linear(2, 1)
+            >>> updater = Updater(model.parameters(), OptimConfig(lr=0.1, warmup_steps=4), lr=0.1)
+            >>> updater.resume_at(2); round(updater.lr, 6)
+            0.075
+        """
+        self.schedule.last_epoch = steps_done
+        for group, base, factor in zip(
+            self.optimizer.param_groups,
+            self.schedule.base_lrs,
+            self.schedule.lr_lambdas,
+            strict=True,
+        ):
+            group["lr"] = base * factor(steps_done)
+        self.schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

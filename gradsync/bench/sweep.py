@@ -163,7 +163,7 @@ def run_cell(
             "error": str(error).splitlines()[0][:500],
             "wall_s": time.time() - started,
         }
-    records = read_records(Path(config.out))
+    records = read_records(Path(config.out), range(cell.workers))
     steps = sorted({r["step"] for lines in records.values() for r in lines})
     step_times = [
         max(r["step_time_s"] for lines in records.values() for r in lines if r["step"] == s)
