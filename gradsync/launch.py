@@ -40,6 +40,7 @@ TERMINATE_GRACE_S = 5.0
 USER_ERROR_PREFIX = "gradsync: error: "
 STOPPED_PREFIX = "gradsync: stopped: "  # a rank's one-line reason to end the run (exit 1)
 HANG_STEP_FACTOR = 5  # a rank may be silent for this many of its slowest steps
+STARTING = ("startup", "rendezvous")  # phases the rendezvous timeout watches instead
 VICTIM_GRACE_S = 1.0  # how long a lost connection waits for its cause to exit
 # What a rank prints when a peer died under it: it is a victim, not the cause.
 LOST_CONNECTION = (
@@ -298,11 +299,12 @@ def _silent_rank(ranks: list[RankProcess], hang_timeout_s: float, now: float) ->
     """The rank to blame when one has been silent too long, or None.
 
     The limit is ``hang_timeout_s``, or several of the slowest step seen when that is longer.
-    Ranks still meeting at the rendezvous are left to its own timeout. Among the silent, a
+    Ranks still starting (importing) or meeting at the rendezvous are left to the
+    rendezvous's own timeout, which names the ranks that never arrived. Among the silent, a
     stopped process comes first, then a rank busy in its own work (not waiting for peers),
     then the least advanced, then the one silent longest.
     """
-    alive = [r for r in ranks if r.popen.returncode is None and r.last_beat.phase != "rendezvous"]
+    alive = [r for r in ranks if r.popen.returncode is None and r.last_beat.phase not in STARTING]
     slowest = max((r.last_beat.slowest_step_s for r in ranks), default=0.0)
     limit = max(hang_timeout_s, HANG_STEP_FACTOR * slowest)
     if not any(now - r.last_beat.at > limit for r in alive):
@@ -369,6 +371,7 @@ def _terminate(ranks: list[RankProcess]) -> None:
     for rank in alive:
         with contextlib.suppress(ProcessLookupError):
             rank.popen.terminate()
+            rank.popen.send_signal(signal.SIGCONT)  # a stopped rank then handles its SIGTERM
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for rank in alive:
         try:
