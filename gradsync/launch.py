@@ -39,6 +39,7 @@ STDERR_TAIL_LINES = 15
 TERMINATE_GRACE_S = 5.0
 USER_ERROR_PREFIX = "gradsync: error: "
 STOPPED_PREFIX = "gradsync: stopped: "  # a rank's one-line reason to end the run (exit 1)
+OVERSUBSCRIBED = 4  # local ranks per core above which the launcher warns
 HANG_STEP_FACTOR = 5  # a rank may be silent for this many of its slowest steps
 STARTING = ("startup", "rendezvous")  # phases the rendezvous timeout watches instead
 VICTIM_GRACE_S = 1.0  # how long a lost connection waits for its cause to exit
@@ -145,6 +146,7 @@ def launch_local(
     else:
         port = free_port(launch.master_addr) if launch.num_nodes == 1 else DEFAULT_PORT
     threads = launch.threads or default_threads(local_size)
+    _warn_if_oversubscribed(local_size)
     if placement is not None:
         # Emulated hosts share this machine's cores: pin threads for all local ranks.
         config = dataclasses.replace(config, launch=dataclasses.replace(launch, threads=threads))
@@ -232,6 +234,19 @@ def _start_beat_reader(process: RankProcess, fd: int) -> None:
                 process.last_beat.update(raw.decode(errors="replace"), time.monotonic())
 
     threading.Thread(target=pump, daemon=True).start()
+
+
+def _warn_if_oversubscribed(local_size: int) -> None:
+    """Warn, with the arithmetic, when the ranks far outnumber this machine's cores."""
+    cores = os.cpu_count() or 1
+    if local_size > OVERSUBSCRIBED * cores:
+        print(
+            f"gradsync: warning: {local_size} ranks on {cores} core(s) is "
+            f"{local_size / cores:.0f} ranks per core (more than {OVERSUBSCRIBED}); each step "
+            "waits for every rank in turn, so expect slow steps (and raise --hang-timeout)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _emulated_host_env(hosts: EmulatedHosts, placement: list[int], rank: int) -> dict[str, str]:
