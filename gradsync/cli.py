@@ -685,7 +685,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_timeline(args: argparse.Namespace) -> int:
     from gradsync.timeline_summary import gantt, print_summary, summarize_trace, write_summary
+    from gradsync.trace_check import check_trace
 
+    for trace in map(Path, args.traces):
+        check_trace(trace, args.step)  # every trace is sound before anything is written
     for trace in map(Path, args.traces):
         summary = summarize_trace(trace)
         print_summary(summary)

@@ -11,7 +11,8 @@ from gradsync.config import TrainConfig
 from gradsync.errors import JobFailed
 from gradsync.launch import launch_local
 from gradsync.metrics import load_summary
-from gradsync.models import check_model
+from gradsync.models import build_workload, check_model
+from gradsync.models.user import check_user_step, is_user_model
 from gradsync.resume import check_resume, checkpoint_step, resumable
 from gradsync.rundir import check_writable, claim_run_dir
 from gradsync.strategies import check_strategy
@@ -20,9 +21,23 @@ LOG_FILE = "stdout.log"
 
 
 def validate(config: TrainConfig) -> None:
-    """Every check that can fail before any process starts (UserError on failure)."""
+    """Every check that can fail before any process starts (UserError on failure).
+
+    A user model is built once here and run on two samples, so a wrong return type, a loss
+    that is not a scalar or a model without parameters is one line before launch.
+    """
     check_model(config.model, config.preset, config.model_options)
     check_strategy(config)
+    if is_user_model(config.model):
+        workload = build_workload(
+            config.model,
+            preset=config.preset,
+            seed=config.seed,
+            data=config.data,
+            dropout=not config.deterministic,
+            options=config.model_options,
+        )
+        check_user_step(config.model, workload)
 
 
 def prepare_out(config: TrainConfig, *, overwrite: bool) -> None:
