@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -202,3 +204,104 @@ def test_a_loss_that_is_not_finite_names_the_step() -> None:
     check_loss(torch.tensor(2.5), 3, 0)
     with pytest.raises(LossNotFinite, match="loss is inf at step 9 on rank 1"):
         check_loss(torch.tensor(float("inf")), 9, 1)
+
+
+# ---------------------------------------------------------------- bad input before launch
+
+BAD_MODELS = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def _data():
+    return TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+
+def wrong_types():
+    return "model", _data(), 3
+
+def vector_loss():
+    return nn.Linear(4, 2), _data(), lambda out, t: nn.functional.cross_entropy(
+        out, t, reduction="none")
+
+def no_params():
+    return nn.ReLU(), _data(), lambda out, t: out.sum()
+
+def exits():
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        ("wrong_types", "with an nn.Module and a callable loss, got (str, TensorDataset, int)"),
+        ("vector_loss", "loss returned (2,), not a scalar tensor"),
+        ("no_params", "has no trainable parameters"),
+        ("exits", "called sys.exit(3) instead of returning"),
+    ],
+)
+def test_a_broken_user_model_is_one_line_before_launch(
+    function: str, message: str, tmp_path: Path
+) -> None:
+    from gradsync.jobs import validate
+
+    (tmp_path / "bad.py").write_text(BAD_MODELS)
+    config = TrainConfig(model=f"{tmp_path / 'bad.py'}:{function}", strategy="single")
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(config)
+
+
+def test_a_model_file_that_exits_on_import_is_one_line(tmp_path: Path) -> None:
+    from gradsync.jobs import validate
+
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(UserError, match=re.escape("called sys.exit(3) while being imported")):
+        validate(TrainConfig(model=f"{tmp_path / 'exits.py'}:build", strategy="single"))
+
+
+def test_mnist_files_with_zero_images_are_one_line(tmp_path: Path) -> None:
+    from gradsync.data.mnist import (
+        IMAGES_FILE,
+        IMAGES_MAGIC,
+        LABELS_FILE,
+        LABELS_MAGIC,
+        MNISTImages,
+    )
+
+    (tmp_path / IMAGES_FILE).write_bytes(struct.pack(">4I", IMAGES_MAGIC, 0, 28, 28))
+    (tmp_path / LABELS_FILE).write_bytes(struct.pack(">2I", LABELS_MAGIC, 0))
+    with pytest.raises(UserError, match="hold 0 images"):
+        MNISTImages(tmp_path, seed=0)
+
+
+def _step_events(step: int) -> list[dict]:
+    return [
+        {"ph": "B", "name": "STEP", "pid": 0, "tid": 0, "ts": step * 10, "args": {"step": step}},
+        {"ph": "E", "pid": 0, "tid": 0, "ts": step * 10 + 5},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("events", "step", "message"),
+    [
+        ([{"ph": "E", "pid": 0, "tid": 0, "ts": 1}], None, "ends a span that never began"),
+        ([{"ph": "B", "name": "X", "pid": 0, "tid": 0, "ts": 1}], None, "is never ended"),
+        ([{"ph": "B", "name": "STEP", "tid": 0, "ts": 1}], None, "has no numeric pid"),
+        (_step_events(0) + _step_events(1), 7, "--step 7 is not in"),
+    ],
+)
+def test_a_malformed_trace_is_one_line_and_writes_nothing(
+    events: list, step: int | None, message: str, tmp_path: Path
+) -> None:
+    from gradsync.cli import main
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(UserError, match=re.escape(message)):
+        from gradsync.trace_check import check_trace
+
+        check_trace(trace, step)
+    argv = ["timeline", "summarize", str(trace), *(["--step", str(step)] if step else [])]
+    assert main(argv) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # no summary written
