@@ -16,10 +16,14 @@ per ``MIN_INTERVAL_S`` for the same step and phase).
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 ENV_FD = "GRADSYNC_HEARTBEAT_FD"
+TICK_S = 5.0  # how often :func:`beating` beats while a server rank serves
 MIN_INTERVAL_S = 0.5  # repeated beats of the same step and phase are thinned to this
 # Phases in which a rank waits for its peers: a silent rank here is likelier a victim.
 WAITING_PHASES = frozenset({"sync", "serve", "barrier", "finish", "rendezvous"})
@@ -70,6 +74,34 @@ def beat(phase: str, step: int = -1) -> None:
         pipe.fd = None  # the launcher is gone; stop trying
 
 
+@contextmanager
+def beating(phase: str) -> Iterator[None]:
+    """Beat ``phase`` every ``TICK_S`` seconds from a thread while the block runs.
+
+    For a dedicated server rank, which waits on its inbox rather than running steps: a
+    stopped or killed server goes silent, a serving one does not. (Server loops that call
+    ``beat("serve", step)`` themselves also tell the launcher which step they serve.)
+
+    Example:
+        >>> with beating("serve"):
+        ...     pass
+    """
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            beat(phase)
+            stop.wait(TICK_S)
+
+    thread = threading.Thread(target=tick, daemon=True, name="gradsync-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=1)
+
+
 @dataclass
 class LastBeat:
     """What the launcher last heard from one rank (``at`` is ``time.monotonic()``)."""
@@ -109,4 +141,4 @@ class LastBeat:
         return self.phase in WAITING_PHASES
 
 
-__all__ = ["ENV_FD", "WAITING_PHASES", "LastBeat", "beat"]
+__all__ = ["ENV_FD", "WAITING_PHASES", "LastBeat", "beat", "beating"]

@@ -24,7 +24,7 @@ from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed, shard_bounds
 from gradsync.errors import UserError
 from gradsync.evaluate import validation_accuracy
-from gradsync.heartbeat import beat
+from gradsync.heartbeat import beat, beating
 from gradsync.launch import STOPPED_PREFIX
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import workload_of
@@ -264,7 +264,8 @@ def _serve(
         role="server",
         timeline=timeline,
     )
-    strategy.serve(context)
+    with beating("serve"):  # the server loop waits on its inbox, not on steps
+        strategy.serve(context)
 
 
 def _write_checkpoint(
