@@ -69,13 +69,7 @@ class Updater:
 
         Parameter servers use it: asynchronous pushes arrive out of step order.
         """
-        for group, base, factor in zip(
-            self.optimizer.param_groups,
-            self.schedule.base_lrs,
-            self.schedule.lr_lambdas,
-            strict=True,
-        ):
-            group["lr"] = base * factor(step)
+        self._set_lr_of(step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -89,14 +83,18 @@ class Updater:
             0.075
         """
         self.schedule.last_epoch = steps_done
+        self._set_lr_of(steps_done)
+        self.schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def _set_lr_of(self, step: int) -> None:
+        """Give every parameter group the rate the schedule gives ``step``."""
         for group, base, factor in zip(
             self.optimizer.param_groups,
             self.schedule.base_lrs,
             self.schedule.lr_lambdas,
             strict=True,
         ):
-            group["lr"] = base * factor(steps_done)
-        self.schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+            group["lr"] = base * factor(step)
 
     @property
     def lr(self) -> float:
