@@ -1,7 +1,7 @@
 """Soak test: do long runs of the server strategies leak memory, file descriptors or threads?
 
 Runs ``gradsync train`` for 1,000 steps with 4 ranks (3 workers + 1 server) of ``ps`` and
-``hybrid`` on tiny models, samples every rank's RSS, open file descriptors and threads
+``hybrid`` on tiny models (global batch 12), samples every rank's RSS, open file descriptors and threads
 after warm-up (step 100) and near the end (step 950), and reports the growth. Exit 1 when
 any rank grew by 5% or more in any of them.
 
@@ -56,7 +56,7 @@ def soak(strategy: str, steps: int, warmup: int, end: int, workdir: Path) -> dic
     argv = [
         sys.executable, "-m", "gradsync", "train", "--model", MODELS[strategy],
         "--preset", "tiny", "--strategy", strategy, "--workers", "3", "--steps", str(steps),
-        "--out", str(out), "--log-every", str(steps),
+        "--out", str(out), "--log-every", str(steps), "--global-batch", "12",
     ]  # fmt: skip
     job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: dict[str, dict[str, Sample]] = {}
