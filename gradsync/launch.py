@@ -41,6 +41,7 @@ USER_ERROR_PREFIX = "gradsync: error: "
 STOPPED_PREFIX = "gradsync: stopped: "  # a rank's one-line reason to end the run (exit 1)
 OVERSUBSCRIBED = 4  # local ranks per core above which the launcher warns
 HANG_STEP_FACTOR = 5  # a rank may be silent for this many of its slowest steps
+FIRST_STEP_FACTOR = 5  # … and this many hang timeouts before its first step is done
 STARTING = ("startup", "rendezvous")  # phases the rendezvous timeout watches instead
 VICTIM_GRACE_S = 1.0  # how long a lost connection waits for its cause to exit
 # What a rank prints when a peer died under it: it is a victim, not the cause.
@@ -313,7 +314,8 @@ def _cause_is_known(failed: list[RankProcess], now: float) -> bool:
 def _silent_rank(ranks: list[RankProcess], hang_timeout_s: float, now: float) -> RankProcess | None:
     """The rank to blame when one has been silent too long, or None.
 
-    The limit is ``hang_timeout_s``, or several of the slowest step seen when that is longer.
+    The limit is ``hang_timeout_s``, or several of the slowest step seen when that is longer
+    (more before a rank's first step is done).
     Ranks still starting (importing) or meeting at the rendezvous are left to the
     rendezvous's own timeout, which names the ranks that never arrived. Among the silent, a
     stopped process comes first, then a rank busy in its own work (not waiting for peers),
@@ -322,7 +324,12 @@ def _silent_rank(ranks: list[RankProcess], hang_timeout_s: float, now: float) ->
     alive = [r for r in ranks if r.popen.returncode is None and r.last_beat.phase not in STARTING]
     slowest = max((r.last_beat.slowest_step_s for r in ranks), default=0.0)
     limit = max(hang_timeout_s, HANG_STEP_FACTOR * slowest)
-    if not any(now - r.last_beat.at > limit for r in alive):
+    # Before its first step is done, a rank builds the model, probes it and warms up: it
+    # gets FIRST_STEP_FACTOR times the limit (a hang there is still named, later).
+    if not any(
+        now - r.last_beat.at > (limit if r.last_beat.step >= 1 else FIRST_STEP_FACTOR * limit)
+        for r in alive
+    ):
         return None
     return min(
         alive,

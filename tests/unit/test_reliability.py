@@ -88,6 +88,9 @@ def test_hang_limit_grows_with_slow_steps_and_starting_ranks_are_left_alone() ->
     assert _silent_rank([slow], 30.0, now) is None
     starting = _rank(1, step=-1, phase="rendezvous", at=now - 100)
     assert _silent_rank([starting], 30.0, now) is None
+    building = _rank(2, step=-1, phase="build", at=now - 100)  # first step: 5 × the limit
+    assert _silent_rank([building], 30.0, now) is None
+    assert _silent_rank([building], 30.0, now + 60) is building
 
 
 def test_a_lost_connection_is_a_victim_and_the_earliest_failure_is_the_cause() -> None:
