@@ -1,9 +1,9 @@
 """Soak test: do long runs of the server strategies leak memory, file descriptors or threads?
 
 Runs ``gradsync train`` for 1,000 steps with 4 ranks (3 workers + 1 server) of ``ps`` and
-``hybrid`` on tiny models (global batch 12), samples every rank's RSS, open file descriptors and threads
-after warm-up (step 100) and near the end (step 950), and reports the growth. Exit 1 when
-any rank grew by 5% or more in any of them.
+``hybrid`` on tiny models (global batch 12), samples every rank's RSS, open file
+descriptors and threads after warm-up (step 100) and near the end (step 950), and reports
+the growth. Exit 1 when any rank grew by 5% or more in any of them.
 
     python benchmarks/soak.py                      # ps and hybrid, 1,000 steps
     python benchmarks/soak.py --steps 300 --strategies ps --warmup 50 --end 280
