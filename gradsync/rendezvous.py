@@ -29,6 +29,7 @@ from gradsync.errors import UserError
 from gradsync.topology import RankEnv
 
 KEY_PREFIX = "gradsync/rendezvous"
+_HOSTED_STORES: list[dist.Store] = []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +109,10 @@ def rendezvous(env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None
     info = info or RankInfo.here(env)
     check_resolves(env.master_addr)
     store = _connect(env, timeout)
+    if env.rank == 0:
+        # The store's server lives as long as this process, not as this object: the other
+        # ranks may still be reading the verdict when rank 0 raises it or moves on.
+        _HOSTED_STORES.append(store)
     store.set(f"{KEY_PREFIX}/rank{env.rank}", json.dumps(asdict(info)))
     if env.rank == 0:
         store.set(f"{KEY_PREFIX}/verdict", json.dumps(_verdict(store, info, timeout)))
