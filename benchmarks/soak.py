@@ -20,7 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-MODELS = {"ps": "mnist-cnn", "hybrid": "lstm-lm"}  # hybrid needs a sparse (embedding) model
+# hybrid needs sparse variables (lstm-lm's embedding with sparse=true) to have a server rank
+MODELS = {"ps": ["mnist-cnn"], "hybrid": ["lstm-lm", "--model-option", "sparse=true"]}
 LIMIT = 0.05
 
 
@@ -54,7 +55,7 @@ def soak(strategy: str, steps: int, warmup: int, end: int, workdir: Path) -> dic
     """Run one job and sample its ranks at step ``warmup`` and step ``end``."""
     out = workdir / strategy
     argv = [
-        sys.executable, "-m", "gradsync", "train", "--model", MODELS[strategy],
+        sys.executable, "-m", "gradsync", "train", "--model", *MODELS[strategy],
         "--preset", "tiny", "--strategy", strategy, "--workers", "3", "--steps", str(steps),
         "--out", str(out), "--log-every", str(steps), "--global-batch", "12",
     ]  # fmt: skip
@@ -83,7 +84,7 @@ def soak(strategy: str, steps: int, warmup: int, end: int, workdir: Path) -> dic
     }
     return {
         "strategy": strategy,
-        "model": MODELS[strategy],
+        "model": " ".join(MODELS[strategy]),
         "steps": steps,
         "samples": {label: {r: asdict(s) for r, s in by.items()} for label, by in samples.items()},
         "growth": growth,
