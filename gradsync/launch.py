@@ -81,8 +81,9 @@ class RankProcess:
         code = self.popen.returncode
         if code is not None and code < 0:
             return f"was killed by {signal.Signals(-code).name}"
-        if code is not None and code > 128 and code - 128 in signal.Signals._value2member_map_:
-            return f"exited with code {code} (stopped by {signal.Signals(code - 128).name})"
+        if code is not None and code > 128:
+            with contextlib.suppress(ValueError):  # 128 + N: the rank was stopped by signal N
+                return f"exited with code {code} (stopped by {signal.Signals(code - 128).name})"
         return f"exited with code {code}"
 
     def lost_connection(self) -> bool:
