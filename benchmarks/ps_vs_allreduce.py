@@ -22,19 +22,20 @@ from pathlib import Path
 
 from gradsync.comm.placement import Variable, plan_placement
 from gradsync.comm.pushpull import HEADER
-from gradsync.config import PSConfig, TrainConfig
+from gradsync.config import TrainConfig
 from gradsync.jobs import run_job
 from gradsync.models import build_workload
+from gradsync.strategies.ps import PSOptions
 
 VARIANTS = {
-    "allreduce": ("allreduce", PSConfig()),
-    "ps S=1": ("ps", PSConfig(servers=1)),
-    "ps S=2": ("ps", PSConfig(servers=2)),
-    "ps colocated": ("ps", PSConfig(colocate=True)),
+    "allreduce": ("allreduce", None),
+    "ps S=1": ("ps", PSOptions(servers=1)),
+    "ps S=2": ("ps", PSOptions(servers=2)),
+    "ps colocated": ("ps", PSOptions(colocate=True)),
 }
 
 
-def expected_server_bytes(args: argparse.Namespace, ps: PSConfig) -> list[int]:
+def expected_server_bytes(args: argparse.Namespace, ps: PSOptions) -> list[int]:
     """Theory: bytes each server receives per step (and sends back)."""
     model = build_workload(args.model, preset=args.preset, dropout=False).model
     variables = [Variable(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
@@ -68,7 +69,7 @@ def main() -> None:
                     workers=args.workers,
                     steps=args.steps,
                     deterministic=True,
-                    ps=ps,
+                    strategy_options=ps,
                     out=str(Path(tmp) / f"{name.replace(' ', '_')}-{repeat}"),
                 )
                 summary = run_job(config)

@@ -79,7 +79,7 @@ preset = "tiny"
 strategies = ["allreduce"]
 workers = [2]
 steps = 4
-warmup_steps = 1
+measure_warmup = 1
 """
 
 

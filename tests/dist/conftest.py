@@ -104,7 +104,8 @@ class RankPool:
             raise RankFailure(f"{world_size} ranks failed to start: {error}\n{tails}") from None
 
     def alive(self) -> bool:
-        return all(proc.poll() is None for proc in self.procs)
+        """Every rank still running (a closed pool, which has no ranks, is not alive)."""
+        return bool(self.procs) and all(proc.poll() is None for proc in self.procs)
 
     def log_tail(self, rank: int, num_lines: int = 15) -> str:
         lines = (self.log_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradsync.config import HybridConfig, OptimConfig, TrainConfig
+from gradsync.config import OptimConfig, TrainConfig
+from gradsync.strategies.hybrid import HybridOptions
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context
 from gradsync.strategies.hybrid import Hybrid
@@ -36,7 +37,7 @@ def _train(rank: int, world_size: int, vocab: int, momentum: float, out: str) ->
         workers=world_size,
         out=out,
         optim=OptimConfig(lr=0.5, momentum=momentum),
-        hybrid=HybridConfig(colocate=True, partitions=2),
+        strategy_options=HybridOptions(colocate=True, partitions=2),
     )
     context = Context(
         config=config,

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gradsync.config import LaunchConfig, OptimConfig, P3Config, TrainConfig
+from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
+from gradsync.strategies.p3 import P3Options
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context
 from gradsync.strategies.p3 import PriorityPropagation
@@ -49,7 +50,7 @@ def _slow_last_layer(rank: int, world_size: int, out: str) -> dict:
         steps=STEPS,
         out=out,
         optim=OptimConfig(lr=0.1),
-        p3=P3Config(slice_size=1000),  # Linear(64, 64) is 5 slices
+        strategy_options=P3Options(slice_size=1000),  # Linear(64, 64) is 5 slices
         launch=LaunchConfig(timeout_s=20),
     )
     context = Context(

@@ -8,6 +8,7 @@ import torch
 import gradsync
 from gradsync.checkpoint import save_checkpoint
 from gradsync.cli import EXIT_USER_ERROR, build_parser, main
+from gradsync.options import given_options
 
 LAUNCHER_VARIABLES = (
     "RANK",
@@ -63,6 +64,10 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["demo", "--workers", "2,4"], "'2,4' is not an integer"),
         (["compare"], "checkpoints"),
         (["train", "--global-batch"], "--global-batch"),
+        (["train", "--fusion-threshold-mb", "nan"], "--fusion-threshold-mb must be a finite"),
+        (["train", "--slice-size", "0"], "--slice-size must be >= 1, got 0"),
+        (["train", "--placement", "random"], "choose one of: greedy, round-robin"),
+        (["train", "--warmup-steps", "3"], "--warmup-steps"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(capsys, argv, mentions):
@@ -96,7 +101,7 @@ def test_defaults_per_command():
     assert (train.steps, verify.steps, demo.steps) == (50, 20, 30)
     assert (train.workers, verify.workers, demo.workers) == (None, [2], 2)
     assert train.model == "transformer" and train.strategy == "allreduce"
-    assert train.model_option == [] and train.fusion_threshold_mb == 64.0
+    assert train.model_option == [] and given_options(train) == {}
     assert (train.nnodes, train.node_rank, train.master_port) == (1, 0, None)
     assert verify.strategies is None
     compare = parser.parse_args(["compare", "a", "b"])
@@ -152,7 +157,7 @@ def test_all_train_flags_parse():
             "0.8",
             "--weight-decay",
             "1e-4",
-            "--warmup-steps",
+            "--lr-warmup-steps",
             "2",
             "--lr-scaling",
             "linear",
@@ -193,8 +198,9 @@ def test_all_train_flags_parse():
         0.01,
         8,
     )
-    assert args.fp16_compression and args.deterministic
-    assert (args.fusion_threshold_mb, args.timeout, args.master_port) == (0.0, 9.0, 4000)
+    assert args.deterministic and args.lr_warmup_steps == 2
+    assert given_options(args) == {"fusion_threshold_mb": 0.0, "fp16_compression": True}
+    assert (args.timeout, args.master_port) == (9.0, 4000)
 
 
 def test_config_errors_exit_2_with_one_line(capsys, no_launcher, tmp_path):
@@ -323,3 +329,28 @@ def test_master_addr_flag_reaches_the_rank_under_mpirun(ranks_started, tmp_path)
     assert code == 0
     [(_, env)] = ranks_started
     assert env.master_addr == "10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "mentions"),
+    [
+        (["train", "--strategy", "ddp", "--slice-size", "10"], "--slice-size applies to"),
+        (["train", "--strategy", "allreduce", "--servers", "2"], "ps or hybrid or p3"),
+        (["train", "--strategy", "bogus"], "unknown strategy 'bogus'"),
+        (["train", "--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+        (["train", "--timeout", "inf"], "--timeout must be a finite number"),
+        (["train", "--lr", "inf"], "--lr must be a finite number"),
+        (["verify", "--strategies", "ddp,allreduce", "--slice-size", "9"], "--slice-size"),
+        (["verify", "--strategies", "ps:bogus=1"], "'ps:bogus=1': unknown option 'bogus'"),
+    ],
+)
+def test_option_errors_exit_2_before_launch(capsys, no_launcher, tmp_path, argv, mentions):
+    code = main([*argv, "--out", str(tmp_path / "run")])
+    assert code == EXIT_USER_ERROR
+    assert mentions in _one_line_error(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_flag_serves_every_strategy_that_takes_the_option():
+    args = build_parser().parse_args(["train", "--servers", "2", "--no-priority"])
+    assert given_options(args) == {"servers": 2, "priority": False}

@@ -7,14 +7,10 @@ import json
 
 import pytest
 
-from gradsync.config import (
-    DEFAULT_LR,
-    AllreduceConfig,
-    LaunchConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from gradsync.config import DEFAULT_LR, LaunchConfig, OptimConfig, TrainConfig
 from gradsync.errors import UserError
+from gradsync.strategies.allreduce import AllreduceOptions
+from gradsync.strategies.ps import PSOptions
 
 # (keyword arguments, substrings the message must contain: the offending values and a fix)
 INVALID = {
@@ -38,13 +34,31 @@ INVALID = {
     "lr-zero": (dict(optim=OptimConfig(lr=0.0)), ["--lr", "> 0", "got 0.0"]),
     "lr-negative": (dict(optim=OptimConfig(lr=-0.25)), ["--lr", "> 0", "got -0.25"]),
     "lr-nan": (dict(optim=OptimConfig(lr=float("nan"))), ["--lr", "> 0", "got nan"]),
+    "lr-inf": (dict(optim=OptimConfig(lr=float("inf"))), ["--lr", "finite", "got inf"]),
+    "weight-decay-negative": (
+        dict(optim=OptimConfig(weight_decay=-1.0)),
+        ["--weight-decay", ">= 0", "got -1.0"],
+    ),
     "warmup-negative": (
-        dict(optim=OptimConfig(warmup_steps=-2)),
-        ["--warmup-steps", ">= 0", "got -2"],
+        dict(optim=OptimConfig(lr_warmup_steps=-2)),
+        ["--lr-warmup-steps", ">= 0", "got -2"],
     ),
     "fusion-negative": (
-        dict(allreduce=AllreduceConfig(fusion_threshold_mb=-1.5)),
+        dict(strategy_options={"fusion_threshold_mb": -1.5}),
         ["--fusion-threshold-mb", ">= 0", "got -1.5"],
+    ),
+    "fusion-nan": (
+        dict(strategy_options={"fusion_threshold_mb": float("nan")}),
+        ["--fusion-threshold-mb", "finite", "got nan"],
+    ),
+    "options-of-another-strategy": (
+        dict(strategy="ddp", strategy_options=PSOptions()),
+        ["PSOptions", "'ddp'", "DDPOptions"],
+    ),
+    "unknown-option": (dict(strategy_options={"slice_size": 4}), ["unknown option 'slice_size'"]),
+    "servers-with-colocate": (
+        dict(strategy="ps", workers=2, strategy_options={"servers": 2, "colocate": True}),
+        ["--servers with --colocate", "drop one"],
     ),
     "nnodes-zero": (dict(launch=LaunchConfig(num_nodes=0)), ["--nnodes", "got 0"]),
     "node-rank-too-big": (
@@ -67,6 +81,7 @@ INVALID = {
     ),
     "timeout-zero": (dict(launch=LaunchConfig(timeout_s=0.0)), ["--timeout", "> 0", "got 0.0"]),
     "timeout-negative": (dict(launch=LaunchConfig(timeout_s=-5.0)), ["--timeout", "got -5.0"]),
+    "timeout-inf": (dict(launch=LaunchConfig(timeout_s=float("inf"))), ["--timeout", "got inf"]),
 }
 
 
@@ -100,8 +115,9 @@ def test_existing_data_path_is_accepted(tmp_path):
         dict(workers=6, launch=LaunchConfig(num_nodes=3, node_rank=2)),
         dict(launch=LaunchConfig(master_port=1)),
         dict(launch=LaunchConfig(master_port=65535, threads=1)),
-        dict(optim=OptimConfig(name="adam", lr=1e-9, warmup_steps=0, lr_scaling="sqrt")),
-        dict(allreduce=AllreduceConfig(fusion_threshold_mb=0.0)),
+        dict(optim=OptimConfig(name="adam", lr=1e-9, lr_warmup_steps=0, lr_scaling="sqrt")),
+        dict(strategy_options=AllreduceOptions(fusion_threshold_mb=0.0)),
+        dict(strategy_options={"fusion_threshold_mb": 1}),  # an integer is a number
     ],
 )
 def test_boundary_values_are_valid(kwargs):
@@ -111,7 +127,8 @@ def test_boundary_values_are_valid(kwargs):
 def test_defaults_are_valid_and_documented_values():
     cfg = TrainConfig()
     assert (cfg.workers, cfg.steps, cfg.global_batch, cfg.strategy) == (1, 50, None, "allreduce")
-    assert cfg.allreduce.fusion_threshold_mb == 64.0
+    assert cfg.strategy_options == AllreduceOptions()
+    assert cfg.strategy_options.fusion_threshold_mb == 64.0
     assert cfg.optim.base_lr() == DEFAULT_LR["sgd"] == 0.05
     assert OptimConfig(name="adam").base_lr() == 1e-3
     assert OptimConfig(name="adam", lr=0.3).base_lr() == 0.3
@@ -137,7 +154,7 @@ def _full_config() -> TrainConfig:
         model="mnist-cnn",
         preset="tiny",
         model_options={"sparse": "true", "hidden-size": "64"},
-        strategy="ddp",
+        strategy="allreduce",
         workers=4,
         steps=7,
         global_batch=16,
@@ -152,11 +169,11 @@ def _full_config() -> TrainConfig:
             lr=0.002,
             momentum=0.5,
             weight_decay=1e-4,
-            warmup_steps=3,
+            lr_warmup_steps=3,
             lr_scaling="sqrt",
             lr_base_batch=32,
         ),
-        allreduce=AllreduceConfig(fusion_threshold_mb=0.5, fp16_compression=True),
+        strategy_options=AllreduceOptions(fusion_threshold_mb=0.5, fp16_compression=True),
         launch=LaunchConfig(
             num_nodes=2,
             node_rank=1,
@@ -174,7 +191,7 @@ def test_json_round_trip_keeps_every_nested_field():
     back = TrainConfig.from_json(cfg.to_json())
     assert back == cfg
     assert isinstance(back.optim, OptimConfig)
-    assert isinstance(back.allreduce, AllreduceConfig)
+    assert isinstance(back.strategy_options, AllreduceOptions)
     assert isinstance(back.launch, LaunchConfig)
     assert back.launch.master_port == 23456
     assert back.optim.lr_scaling == "sqrt"
@@ -191,7 +208,7 @@ def test_to_json_is_plain_sorted_json_with_nested_objects():
     raw = json.loads(_full_config().to_json())
     assert list(raw) == sorted(raw)
     assert raw["optim"]["name"] == "adam"
-    assert raw["allreduce"] == {"fp16_compression": True, "fusion_threshold_mb": 0.5}
+    assert raw["strategy_options"] == {"fp16_compression": True, "fusion_threshold_mb": 0.5}
     assert raw["launch"]["num_nodes"] == 2
 
 
@@ -205,3 +222,13 @@ def test_from_json_validates():
 def test_negative_measure_warmup_is_a_user_error():
     with pytest.raises(UserError, match="--measure-warmup"):
         TrainConfig(measure_warmup=-3)
+
+
+def test_with_strategy_resets_the_options_to_the_new_strategys_defaults():
+    cfg = TrainConfig(strategy_options=AllreduceOptions(fusion_threshold_mb=1.0))
+    assert cfg.with_strategy("ps", workers=2).strategy_options == PSOptions()
+
+
+def test_a_bool_option_refuses_a_number():
+    with pytest.raises(UserError, match="--fp16-compression must be true or false, got 1"):
+        TrainConfig(strategy_options={"fp16_compression": 1})

@@ -18,15 +18,15 @@ from gradsync.comm.sparse import (
     split_rows,
     sum_rows,
 )
-from gradsync.config import HybridConfig, TrainConfig
+from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.models.lstm_lm import PRESETS, LSTMLanguageModel
-from gradsync.strategies.hybrid import classify
+from gradsync.strategies.hybrid import HybridOptions, classify
 
 
 def test_classification_follows_sparse_gradients_and_patterns() -> None:
     model = LSTMLanguageModel(PRESETS["tiny"], sparse_embedding=True, num_sampled=4)
-    kinds = classify(model, HybridConfig())
+    kinds = classify(model, HybridOptions())
     assert [n for n, k in kinds.items() if k == "sparse"] == [
         "embedding.weight",
         "softmax_weight.weight",
@@ -40,14 +40,14 @@ def test_classification_follows_sparse_gradients_and_patterns() -> None:
     logits.sum().backward()
     grads = {n: p.grad.is_sparse for n, p in model.named_parameters()}
     assert {n for n, s in grads.items() if s} == {n for n, k in kinds.items() if k == "sparse"}
-    dense = classify(model, HybridConfig(dense_patterns=("softmax_*",)))
+    dense = classify(model, HybridOptions(dense_patterns=("softmax_*",)))
     assert [n for n, k in dense.items() if k == "sparse"] == ["embedding.weight"]
     plain = LSTMLanguageModel(PRESETS["tiny"])  # dense embedding, full softmax
-    assert set(classify(plain, HybridConfig()).values()) == {"dense"}
-    forced = classify(plain, HybridConfig(sparse_patterns=("re:^embedding\\.",)))
+    assert set(classify(plain, HybridOptions()).values()) == {"dense"}
+    forced = classify(plain, HybridOptions(sparse_patterns=("re:^embedding\\.",)))
     assert forced["embedding.weight"] == "sparse"
     with pytest.raises(UserError, match="not the weight of an"):
-        classify(plain, HybridConfig(sparse_patterns=("decoder.*",)))
+        classify(plain, HybridOptions(sparse_patterns=("decoder.*",)))
 
 
 def test_coalescing_sums_duplicates_and_sorts() -> None:
@@ -110,12 +110,14 @@ def test_shard_rule_is_torch_sgd_on_sparse_gradients(momentum: float) -> None:
 
 def test_hybrid_config_round_trips_and_rejects_bad_topologies() -> None:
     config = TrainConfig(
-        strategy="hybrid", workers=2, hybrid=HybridConfig(partitions=4, sparse_patterns=("emb*",))
+        strategy="hybrid",
+        workers=2,
+        strategy_options=HybridOptions(partitions=4, sparse_patterns=("emb*",)),
     )
     assert TrainConfig.from_json(config.to_json()) == config
-    with pytest.raises(UserError, match="--servers 2 with --colocate"):
-        TrainConfig(strategy="hybrid", workers=2, hybrid=HybridConfig(servers=2, colocate=True))
-    with pytest.raises(UserError, match="--partitions must be"):
-        TrainConfig(strategy="hybrid", hybrid=HybridConfig(partitions=0))
+    with pytest.raises(UserError, match="--servers with --colocate"):
+        TrainConfig(strategy="hybrid", workers=2, strategy_options={"servers": 2, "colocate": True})
+    with pytest.raises(UserError, match="--partitions must be >= 1"):
+        TrainConfig(strategy="hybrid", strategy_options={"partitions": 0})
     with pytest.raises(UserError, match="bad regular expression"):
-        TrainConfig(strategy="hybrid", hybrid=HybridConfig(dense_patterns=("re:(",)))
+        TrainConfig(strategy="hybrid", strategy_options=HybridOptions(dense_patterns=("re:(",)))

@@ -49,7 +49,7 @@ def _scalar_model() -> nn.Linear:
 def test_sgd_warmup_ramps_linearly_then_holds():
     model = _scalar_model()
     updater = Updater(
-        model.parameters(), OptimConfig(name="sgd", momentum=0.0, warmup_steps=4), lr=1.0
+        model.parameters(), OptimConfig(name="sgd", momentum=0.0, lr_warmup_steps=4), lr=1.0
     )
     lrs, weights = [], []
     for _ in range(6):
@@ -104,7 +104,7 @@ def test_adam_builds_and_steps_by_about_lr():
 
 def test_adam_warmup_schedule():
     model = _scalar_model()
-    updater = Updater(model.parameters(), OptimConfig(name="adam", warmup_steps=2), lr=0.002)
+    updater = Updater(model.parameters(), OptimConfig(name="adam", lr_warmup_steps=2), lr=0.002)
     assert updater.lr == pytest.approx(0.001)
     model(torch.ones(1, 1)).sum().backward()
     updater.update()

@@ -26,7 +26,9 @@ def experiment_file(tmp_path: Path, table: str) -> Path:
 
 
 def row(strategy: str, median: float, link: str, spread: float = 0.0) -> Row:
-    cell = Cell(model="mnist-cnn", strategy=strategy, workers=2, servers=1, bandwidth=link)
+    cell = Cell(
+        model="mnist-cnn", strategy=strategy, workers=2, options=(("servers", 1),), bandwidth=link
+    )
     return Row(
         cell=cell,
         median=median,
