@@ -78,7 +78,8 @@ class Updater:
 
         Example:
             >>> model = nn.Linear(2, 1)
-            >>> updater = Updater(model.parameters(), OptimConfig(lr=0.1, warmup_steps=4), lr=0.1)
+            >>> config = OptimConfig(lr=0.1, lr_warmup_steps=4)
+            >>> updater = Updater(model.parameters(), config, lr=0.1)
             >>> updater.resume_at(2); round(updater.lr, 6)
             0.075
         """
