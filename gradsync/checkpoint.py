@@ -1,9 +1,11 @@
-"""Checkpoints: safetensors (no pickle) plus a JSON sidecar, both written atomically.
+"""Checkpoints: one safetensors file (no pickle), written atomically, plus a JSON sidecar.
 
-Tensor names: ``param/<name>``, ``buffer/<name>`` and ``optim/<param name>/<state key>``.
-The sidecar (``<file>.json``) carries model, preset, strategy, workers, step, seed and
-versions; the same JSON is stored in the safetensors header, so a file that lost its
-sidecar can still be identified.
+Tensor names: ``param/<name>``, ``buffer/<name>``, ``optim/<param name>/<state key>`` and,
+for resumable strategies, ``rng/worker<r>``. The metadata (model, preset, strategy, workers,
+step, seed, versions) lives in the safetensors header, which is authoritative: the
+checkpoint is that one file, replaced by a rename. The sidecar (``<file>.json``) is a
+readable copy written from the header after the rename; a sidecar that disagrees with the
+header (a job killed between the two) is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,4 +141,21 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise UserError(
             f"checkpoint metadata of {path} is corrupt ({error}); rerun the job that wrote it"
         ) from None
+    if header:
+        _warn_if_stale(sidecar, meta)
     return Checkpoint(path=path, tensors=tensors, meta=meta)
+
+
+def _warn_if_stale(sidecar: Path, meta: dict[str, Any]) -> None:
+    """A sidecar that disagrees with the header is ignored, with a warning on stderr."""
+    try:
+        side = json.loads(sidecar.read_text()) if sidecar.is_file() else meta
+    except (json.JSONDecodeError, OSError):
+        side = {}
+    if side != meta:
+        print(
+            f"gradsync: warning: {sidecar} disagrees with its checkpoint (step "
+            f"{side.get('step', '?')} vs {meta.get('step', '?')} in the header); it is stale "
+            "and ignored, the checkpoint's header is authoritative",
+            file=sys.stderr,
+        )

@@ -130,6 +130,37 @@ def _add_model_options(
         help="steps left out of throughput (default: 10%%, at least 5)",
     )
     run.add_argument("--out", help="results folder")
+    _add_reliability_options(parser)
+
+
+def _add_reliability_options(parser: argparse.ArgumentParser) -> None:
+    """Issue 12's flags (run folders, hangs, resume, restarts); a separate hunk to port."""
+    group = parser.add_argument_group("reliability")
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (default: refuse)",
+    )
+    group.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="name and stop a rank silent this long (default 60; at least 5 of its slowest steps)",
+    )
+    if parser.prog.endswith(" train"):
+        group.add_argument(
+            "--resume",
+            metavar="RUN_DIR",
+            help="continue the run in RUN_DIR from its checkpoint (same flags, larger --steps ok)",
+        )
+        group.add_argument(
+            "--max-restarts",
+            type=int,
+            default=0,
+            metavar="N",
+            help="when a rank dies, relaunch every rank from the last checkpoint, up to N times",
+        )
 
 
 def _add_node_options(parser: argparse.ArgumentParser) -> None:
@@ -274,6 +305,8 @@ def _config(args: argparse.Namespace, **overrides: object):
         hosts=getattr(args, "hosts", 0),
         ranks_per_host=getattr(args, "ranks_per_host", None),
         bandwidth=getattr(args, "bandwidth", None),
+        hang_timeout_s=args.hang_timeout,
+        max_restarts=getattr(args, "max_restarts", 0),
     )
     optim = OptimConfig(
         name=args.optimizer,
@@ -318,6 +351,7 @@ def _timestamped(prefix: str) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from gradsync.jobs import run_job, validate
+    from gradsync.rundir import check_writable
     from gradsync.runtime import run_rank
     from gradsync.strategies import strategy_class
     from gradsync.topology import check_slurm_step, detect_environment
@@ -325,10 +359,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     env = detect_environment(master_addr=args.master_addr, master_port=args.master_port)
     if env is None and args.workers is None:
         check_slurm_step()  # a batch script's `gradsync train` without srun
+    if args.resume and args.out and Path(args.out) != Path(args.resume):
+        raise UserError(f"--resume {args.resume} goes on in that folder; drop --out {args.out}")
     common = dict(
         strategy=args.strategy,
         strategy_options=_strategy_options(args.strategy, args),
-        out=args.out or _timestamped(f"train-{args.strategy}"),
+        resume=bool(args.resume),
+        out=args.resume or args.out or _timestamped(f"train-{args.strategy}"),
         deterministic=args.deterministic,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
@@ -337,7 +374,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if env is None or env.launcher == "gradsync":
         config = _config(args, workers=args.workers or 1, **common)
-        summary = run_job(config, quiet=False)
+        summary = run_job(config, quiet=False, overwrite=args.overwrite)
         print(
             f"{config.strategy} × {config.workers} workers: "
             f"{summary['throughput']['median']:,.1f} samples/s; results in {config.out}"
@@ -357,12 +394,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             "match the launcher's process count"
         )
     validate(config)
+    check_writable(Path(config.out))
     run_rank(config, env)
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from gradsync.options import given_options
+    from gradsync.rundir import claim_run_dir
     from gradsync.strategies import STRATEGIES
     from gradsync.verify import check_cells, deterministic_notice, report_verify, run_matrix
 
@@ -371,6 +410,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("verify"))
     check_cells(config, strategies, given, out)
+    claim_run_dir(out, overwrite=args.overwrite)
     print(deterministic_notice(config))
     outcomes = run_matrix(config, strategies, args.workers, out, given=given)
     report_verify(outcomes, out)
@@ -379,6 +419,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from gradsync.options import given_options
+    from gradsync.rundir import claim_run_dir
     from gradsync.strategies import STRATEGIES
     from gradsync.verify import check_cells, deterministic_notice, report_demo, run_matrix
 
@@ -386,6 +427,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("demo"))
     check_cells(config, list(STRATEGIES), given, out)
+    claim_run_dir(out, overwrite=args.overwrite)
     print(deterministic_notice(config))
     outcomes = run_matrix(config, list(STRATEGIES), [args.workers], out, given=given)
     title = (
@@ -524,7 +566,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_timeline(args: argparse.Namespace) -> int:
     from gradsync.timeline_summary import gantt, print_summary, summarize_trace, write_summary
+    from gradsync.trace_check import check_trace
 
+    for trace in map(Path, args.traces):
+        check_trace(trace, args.step)  # every trace is sound before anything is written
     for trace in map(Path, args.traces):
         summary = summarize_trace(trace)
         print_summary(summary)
@@ -573,7 +618,10 @@ COMMANDS.update(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradsync`` command; returns the exit code."""
+    from gradsync.signals import Stopped, stop_on_signals
+
     args = build_parser().parse_args(argv)
+    stop_on_signals()  # SIGTERM/SIGHUP end the job like Ctrl-C (exit 143/129)
     try:
         return COMMANDS[args.command](args)
     except UserError as error:
@@ -585,6 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gradsync: interrupted", file=sys.stderr)
         return 130
+    except Stopped as stop:
+        print(f"gradsync: stopped by {stop.name}; every rank was stopped", file=sys.stderr)
+        return stop.exit_code
 
 
 if __name__ == "__main__":

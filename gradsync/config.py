@@ -80,9 +80,19 @@ class LaunchConfig:
     hosts: int = 0
     ranks_per_host: int | None = None
     bandwidth: str | None = None
+    # reliability (issue 12): a silent rank is named after this long; relaunches on a death
+    hang_timeout_s: float = 60.0
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         from gradsync.netem import MAX_HOSTS, parse_rate
+
+        if not 0 < self.hang_timeout_s < float("inf"):
+            raise UserError(
+                f"--hang-timeout must be a positive number of seconds, got {self.hang_timeout_s}"
+            )
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts must be >= 0, got {self.max_restarts}")
 
         if not 0 <= self.hosts <= MAX_HOSTS:
             raise UserError(f"--hosts must be in 1..{MAX_HOSTS}, got {self.hosts}")
@@ -155,6 +165,7 @@ class TrainConfig:
     log_every: int | None = None
     timeline: str | None = None
     timeline_steps: str | None = None
+    resume: bool = False  # continue from the checkpoint in ``out`` (issue 12)
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy_options: Any = None  # the strategy's Options (None: its defaults; a dict: read)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

@@ -15,8 +15,13 @@ class UserError(Exception):
 
 
 class JobFailed(Exception):
-    """A distributed job ended badly (a rank died or exited non-zero)."""
+    """A distributed job ended badly (a rank died, hung or exited non-zero).
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+    ``cause`` is one line naming the rank that caused it (``rank 1 (worker, pid 7) was
+    killed by SIGKILL``), for reports that show one line per failed job.
+    """
+
+    def __init__(self, message: str, exit_code: int = 1, *, cause: str | None = None) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.cause = cause

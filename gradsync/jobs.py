@@ -1,36 +1,104 @@
-"""Run a whole job from Python: validate, launch locally, return its summary."""
+"""Run a whole job from Python: validate, claim the run folder, launch locally, return its
+summary; with ``max_restarts``, relaunch a job whose rank died from its last checkpoint."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from gradsync.config import TrainConfig
+from gradsync.errors import JobFailed
 from gradsync.launch import launch_local
 from gradsync.metrics import load_summary
-from gradsync.models import check_model
+from gradsync.models import build_workload, check_model
+from gradsync.models.user import check_user_step, is_user_model
+from gradsync.resume import check_resume, checkpoint_step, resumable
+from gradsync.rundir import check_writable, claim_run_dir
 from gradsync.strategies import check_strategy
 
 LOG_FILE = "stdout.log"
 
 
 def validate(config: TrainConfig) -> None:
-    """Every check that can fail before any process starts (UserError on failure)."""
+    """Every check that can fail before any process starts (UserError on failure).
+
+    A user model is built once here and run on two samples, so a wrong return type, a loss
+    that is not a scalar or a model without parameters is one line before launch.
+    """
     check_model(config.model, config.preset, config.model_options)
     check_strategy(config)
+    if is_user_model(config.model):
+        workload = build_workload(
+            config.model,
+            preset=config.preset,
+            seed=config.seed,
+            data=config.data,
+            dropout=not config.deterministic,
+            options=config.model_options,
+        )
+        check_user_step(config.model, workload)
 
 
-def run_job(config: TrainConfig, *, quiet: bool = True) -> dict[str, Any]:
+def prepare_out(config: TrainConfig, *, overwrite: bool) -> None:
+    """Claim ``config.out`` for this job before launch (UserError when it cannot be had).
+
+    A resumed run goes on in its own folder; node 0 of a job claims the folder (refusing a
+    used one unless ``overwrite``), other nodes only check that they can write there.
+
+    Example:
+        >>> # prepare_out(config, overwrite=False)  # exit 2 if config.out holds a run
+    """
+    out = Path(config.out)
+    if config.resume:
+        check_resume(config, out)
+    elif config.launch.node_rank == 0:
+        claim_run_dir(out, overwrite=overwrite)
+    else:
+        check_writable(out)
+
+
+def run_job(
+    config: TrainConfig, *, quiet: bool = True, overwrite: bool | None = None
+) -> dict[str, Any]:
     """Train ``config`` on local processes and return its ``summary.json``.
 
-    With ``quiet`` the ranks' stdout goes to ``<out>/stdout.log``.
+    With ``quiet`` the ranks' stdout goes to ``<out>/stdout.log``. ``overwrite`` not None:
+    claim ``config.out`` first (see :func:`prepare_out`); None: the caller owns the folder.
 
     Example:
         >>> # summary = run_job(TrainConfig(model="mnist-cnn", preset="tiny", workers=2, steps=5))
         >>> # summary["throughput"]["median"]
     """
     validate(config)
+    if overwrite is not None:
+        prepare_out(config, overwrite=overwrite)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    launch_local(config, log_file=out / LOG_FILE if quiet else None)
-    return load_summary(out)
+    restarts = 0
+    while True:
+        try:
+            launch_local(config, log_file=out / LOG_FILE if quiet else None)
+            return load_summary(out)
+        except JobFailed as failure:
+            if restarts >= config.launch.max_restarts:
+                raise
+            restarts += 1
+            config = _restart_config(config, failure, restarts)
+
+
+def _restart_config(config: TrainConfig, failure: JobFailed, attempt: int) -> TrainConfig:
+    """The config of restart ``attempt``: from the last checkpoint when there is one."""
+    out = Path(config.out)
+    step = checkpoint_step(out) if resumable(config.strategy) else None
+    where = f"the checkpoint at step {step}" if step else "the start (no checkpoint yet)"
+    print(
+        f"gradsync: {failure.cause or str(failure).splitlines()[0]}; restart {attempt} of "
+        f"{config.launch.max_restarts}: all ranks again from {where}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return config.replace(resume=bool(step))
+
+
+__all__ = ["LOG_FILE", "prepare_out", "run_job", "validate"]

@@ -1,8 +1,12 @@
 """Local launcher: spawn the ranks of this node, watch them, fail fast, tear down.
 
 If any rank exits non-zero, the others are terminated at once and the job fails with a
-message naming the rank and quoting its last stderr lines, well inside 30 s. Children are
-also asked to die with the launcher (``PR_SET_PDEATHSIG``), so nothing is left orphaned.
+message naming the rank and quoting its last stderr lines, well inside 30 s. When several
+fail, the cause is the earliest, and a rank whose own error is a lost connection is a victim
+of another's death, not the cause. Every rank heartbeats through a pipe
+(:mod:`gradsync.heartbeat`); a rank silent longer than the hang timeout is named with its
+last phase and step and the job is torn down. Children are also asked to die with the
+launcher (``PR_SET_PDEATHSIG``), so nothing is left orphaned.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import IO, Protocol
 from gradsync.checkpoint import atomic_write_text
 from gradsync.config import LaunchConfig, TrainConfig
 from gradsync.errors import JobFailed, UserError
+from gradsync.heartbeat import ENV_FD, LastBeat
 from gradsync.netem import EmulatedHosts, parse_rate, place_ranks
 from gradsync.strategies import world_size_of
 from gradsync.topology import DEFAULT_PORT, default_threads
@@ -33,6 +38,21 @@ from gradsync.topology import DEFAULT_PORT, default_threads
 STDERR_TAIL_LINES = 15
 TERMINATE_GRACE_S = 5.0
 USER_ERROR_PREFIX = "gradsync: error: "
+STOPPED_PREFIX = "gradsync: stopped: "  # a rank's one-line reason to end the run (exit 1)
+OVERSUBSCRIBED = 4  # local ranks per core above which the launcher warns
+HANG_STEP_FACTOR = 5  # a rank may be silent for this many of its slowest steps
+FIRST_STEP_FACTOR = 5  # … and this many hang timeouts before its first step is done
+STARTING = ("startup", "rendezvous")  # phases the rendezvous timeout watches instead
+VICTIM_GRACE_S = 1.0  # how long a lost connection waits for its cause to exit
+# What a rank prints when a peer died under it: it is a victim, not the cause.
+LOST_CONNECTION = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "ECONNRESET",
+    "Connection refused",
+    "connection closed",
+)
 
 
 class Job(Protocol):
@@ -54,12 +74,21 @@ class RankProcess:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     reader: threading.Thread | None = None
     role: str = "worker"
+    last_beat: LastBeat = field(default_factory=lambda: LastBeat(at=time.monotonic()))
+    exited_at: float | None = None
 
     def describe_exit(self) -> str:
         code = self.popen.returncode
         if code is not None and code < 0:
             return f"was killed by {signal.Signals(-code).name}"
+        if code is not None and code > 128:
+            with contextlib.suppress(ValueError):  # 128 + N: the rank was stopped by signal N
+                return f"exited with code {code} (stopped by {signal.Signals(code - 128).name})"
         return f"exited with code {code}"
+
+    def lost_connection(self) -> bool:
+        """Whether this rank's own error is a connection a dead peer closed (a victim)."""
+        return any(marker in line for line in self.tail for marker in LOST_CONNECTION)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,6 +148,7 @@ def launch_local(
     else:
         port = free_port(launch.master_addr) if launch.num_nodes == 1 else DEFAULT_PORT
     threads = launch.threads or default_threads(local_size)
+    _warn_if_oversubscribed(local_size)
     if placement is not None:
         # Emulated hosts share this machine's cores: pin threads for all local ranks.
         config = dataclasses.replace(config, launch=dataclasses.replace(launch, threads=threads))
@@ -145,6 +175,7 @@ def launch_local(
     )
     stdout: IO[bytes] | None = open(log_file, "ab") if log_file else None  # noqa: SIM115
     ranks: list[RankProcess] = []
+    ranks_path = out / f"ranks-node{launch.node_rank}.json"
     try:
         with network as hosts:
             if hosts is not None:
@@ -156,23 +187,14 @@ def launch_local(
                 if hosts is not None and placement is not None:
                     env.update(_emulated_host_env(hosts, placement, rank))
                     argv = hosts.exec_argv(placement[rank], argv)
-                popen = subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdout=stdout,
-                    stderr=subprocess.PIPE,
-                    preexec_fn=_die_with_parent,
-                )
                 # Ranks after the workers are a strategy's dedicated servers (ps).
                 role = "worker" if rank < config.workers else f"server {rank - config.workers}"
-                process = RankProcess(rank, popen, role=role)
-                ranks.append(_start_reader(process, echo=stdout is None))
+                ranks.append(_spawn(rank, role, argv, env, stdout))
             atomic_write_text(
-                out / f"ranks-node{launch.node_rank}.json",
-                json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n",
+                ranks_path, json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n"
             )
             try:
-                _watch(ranks)
+                _watch(ranks, hang_timeout_s=launch.hang_timeout_s)
             finally:
                 _terminate(ranks)  # before the namespaces go
     finally:
@@ -180,6 +202,53 @@ def launch_local(
         if stdout is not None:
             stdout.close()
         config_path.unlink(missing_ok=True)
+        ranks_path.unlink(missing_ok=True)
+
+
+def _spawn(
+    rank: int, role: str, argv: list[str], env: dict[str, str], stdout: IO[bytes] | None
+) -> RankProcess:
+    """Start one rank with a heartbeat pipe; readers follow its stderr and its beats."""
+    beat_read, beat_write = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            argv,
+            env={**env, ENV_FD: str(beat_write)},
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            pass_fds=(beat_write,),
+            preexec_fn=_die_with_parent,
+        )
+    except BaseException:
+        os.close(beat_read)
+        raise
+    finally:
+        os.close(beat_write)  # the child holds it; EOF here once the child is gone
+    process = RankProcess(rank, popen, role=role)
+    _start_beat_reader(process, beat_read)
+    return _start_reader(process, echo=stdout is None)
+
+
+def _start_beat_reader(process: RankProcess, fd: int) -> None:
+    def pump() -> None:
+        with open(fd, "rb") as beats:
+            for raw in beats:
+                process.last_beat.update(raw.decode(errors="replace"), time.monotonic())
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def _warn_if_oversubscribed(local_size: int) -> None:
+    """Warn, with the arithmetic, when the ranks far outnumber this machine's cores."""
+    cores = os.cpu_count() or 1
+    if local_size > OVERSUBSCRIBED * cores:
+        print(
+            f"gradsync: warning: {local_size} ranks on {cores} core(s) is "
+            f"{local_size / cores:.0f} ranks per core (more than {OVERSUBSCRIBED}); each step "
+            "waits for every rank in turn, so expect slow steps (and raise --hang-timeout)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _emulated_host_env(hosts: EmulatedHosts, placement: list[int], rank: int) -> dict[str, str]:
@@ -202,7 +271,7 @@ def _start_reader(process: RankProcess, *, echo: bool) -> RankProcess:
             line = raw.decode(errors="replace").rstrip("\n")
             process.tail.append(line)
             # A rank's user error is reported once, by the launcher's caller.
-            if echo and not line.startswith(USER_ERROR_PREFIX):
+            if echo and not line.startswith((USER_ERROR_PREFIX, STOPPED_PREFIX)):
                 print(f"[rank {process.rank}] {line}", file=sys.stderr, flush=True)
 
     process.reader = threading.Thread(target=pump, daemon=True)
@@ -210,31 +279,114 @@ def _start_reader(process: RankProcess, *, echo: bool) -> RankProcess:
     return process
 
 
-def _watch(ranks: list[RankProcess], poll_s: float = 0.05) -> None:
-    """Return when every rank exited 0; raise on the first rank that did not."""
+def _watch(ranks: list[RankProcess], *, hang_timeout_s: float, poll_s: float = 0.05) -> None:
+    """Return when every rank exited 0; raise on the first rank that failed or hung."""
     while True:
-        codes = [r.popen.poll() for r in ranks]
-        failed = [r for r, code in zip(ranks, codes, strict=True) if code not in (None, 0)]
-        if failed:
-            first = min(failed, key=lambda r: (r.popen.returncode == 1, r.rank))
+        now = time.monotonic()
+        for rank in ranks:
+            if rank.exited_at is None and rank.popen.poll() is not None:
+                rank.exited_at = now
+        failed = [r for r in ranks if r.popen.returncode not in (None, 0)]
+        if failed and _cause_is_known(failed, now):
+            first = min(failed, key=_blame_order)
             _terminate(ranks)
-            raise _failure(first)
-        if all(code == 0 for code in codes):
+            raise _failure(first, victims=[r for r in failed if r is not first])
+        if all(r.popen.returncode == 0 for r in ranks):
             return
+        if hung := _silent_rank(ranks, hang_timeout_s, now):
+            message = _hang_message(hung, ranks, hang_timeout_s, now)
+            _terminate(ranks)
+            raise JobFailed(message, cause=message.split(";")[0])
         time.sleep(poll_s)
 
 
-def _failure(rank: RankProcess) -> Exception:
+def _blame_order(rank: RankProcess) -> tuple[bool, float, bool, int]:
+    """Causes before victims, then the earliest exit, then a signal before exit 1."""
+    return (rank.lost_connection(), rank.exited_at or 0.0, rank.popen.returncode == 1, rank.rank)
+
+
+def _cause_is_known(failed: list[RankProcess], now: float) -> bool:
+    """A victim (lost connection) alone waits a moment for its cause to exit too."""
+    if not all(r.lost_connection() for r in failed):
+        return True
+    return now - min(r.exited_at or now for r in failed) >= VICTIM_GRACE_S
+
+
+def _silent_rank(ranks: list[RankProcess], hang_timeout_s: float, now: float) -> RankProcess | None:
+    """The rank to blame when one has been silent too long, or None.
+
+    The limit is ``hang_timeout_s``, or several of the slowest step seen when that is longer
+    (more before a rank's first step is done).
+    Ranks still starting (importing) or meeting at the rendezvous are left to the
+    rendezvous's own timeout, which names the ranks that never arrived. Among the silent, a
+    stopped process comes first, then a rank busy in its own work (not waiting for peers),
+    then the least advanced, then the one silent longest.
+    """
+    alive = [r for r in ranks if r.popen.returncode is None and r.last_beat.phase not in STARTING]
+    slowest = max((r.last_beat.slowest_step_s for r in ranks), default=0.0)
+    limit = max(hang_timeout_s, HANG_STEP_FACTOR * slowest)
+    # Before its first step is done, a rank builds the model, probes it and warms up: it
+    # gets FIRST_STEP_FACTOR times the limit (a hang there is still named, later).
+    if not any(
+        now - r.last_beat.at > (limit if r.last_beat.step >= 1 else FIRST_STEP_FACTOR * limit)
+        for r in alive
+    ):
+        return None
+    return min(
+        alive,
+        key=lambda r: (
+            _process_state(r.popen.pid) not in ("T", "t"),
+            r.last_beat.waiting,
+            r.last_beat.step,
+            r.last_beat.at,
+        ),
+    )
+
+
+def _hang_message(
+    hung: RankProcess, ranks: list[RankProcess], hang_timeout_s: float, now: float
+) -> str:
+    state = _process_state(hung.popen.pid)
+    how = {"T": "; its process is stopped (SIGSTOP?)", "t": "; it is stopped by a debugger"}
+    others = [
+        f"rank {r.rank} in {r.last_beat.describe()}"
+        for r in ranks
+        if r is not hung and r.popen.returncode is None
+    ]
+    return (
+        f"rank {hung.rank} ({hung.role}, pid {hung.popen.pid}) hung: no heartbeat for "
+        f"{now - hung.last_beat.at:.0f} s (--hang-timeout {hang_timeout_s:g} s), last seen in "
+        f"{hung.last_beat.describe()}{how.get(state, '')}; "
+        + (f"the others waited ({', '.join(others)}); " if others else "")
+        + "the job was torn down (raise --hang-timeout if a step legitimately takes longer)"
+    )
+
+
+def _process_state(pid: int) -> str:
+    """The one-letter state of ``pid`` from /proc (R, S, T, …), or '' when unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def _failure(rank: RankProcess, victims: list[RankProcess] | None = None) -> Exception:
     if rank.reader is not None:
         rank.reader.join(timeout=2)
     user_errors = [line for line in rank.tail if line.startswith(USER_ERROR_PREFIX)]
     if rank.popen.returncode == 2 and user_errors:
         return UserError(user_errors[-1].removeprefix(USER_ERROR_PREFIX))
     tail = "\n".join(f"  {line}" for line in rank.tail) or "  (no stderr output)"
-    return JobFailed(
-        f"rank {rank.rank} ({rank.role}, pid {rank.popen.pid}) {rank.describe_exit()}; "
-        f"its last stderr lines:\n{tail}"
+    cause = f"rank {rank.rank} ({rank.role}, pid {rank.popen.pid}) {rank.describe_exit()}"
+    stopped = [line for line in rank.tail if line.startswith(STOPPED_PREFIX)]
+    if stopped:  # the rank said why in one line (e.g. a loss that is not finite)
+        return JobFailed(stopped[-1].removeprefix(STOPPED_PREFIX), cause=cause)
+    lost = [r.rank for r in victims or [] if r.lost_connection()]
+    aftermath = (
+        f" (rank(s) {', '.join(map(str, lost))} then lost their connection to it)" if lost else ""
     )
+    return JobFailed(f"{cause}{aftermath}; its last stderr lines:\n{tail}", cause=cause)
 
 
 def _terminate(ranks: list[RankProcess]) -> None:
@@ -242,6 +394,7 @@ def _terminate(ranks: list[RankProcess]) -> None:
     for rank in alive:
         with contextlib.suppress(ProcessLookupError):
             rank.popen.terminate()
+            rank.popen.send_signal(signal.SIGCONT)  # a stopped rank then handles its SIGTERM
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for rank in alive:
         try:

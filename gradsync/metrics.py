@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -55,13 +56,20 @@ class MetricsWriter:
     """Appends records to ``<out>/metrics/<prefix><r>.jsonl``, flushed per line.
 
     Workers write :class:`StepRecord` lines (prefix ``rank``), parameter servers
-    :class:`ServerRecord` lines (prefix ``server``).
+    :class:`ServerRecord` lines (prefix ``server``). A resumed run (``keep_before``: the
+    checkpoint's step) keeps the lines of the steps before it and drops the rest.
     """
 
-    def __init__(self, out_dir: Path, rank: int, prefix: str = "rank") -> None:
+    def __init__(
+        self, out_dir: Path, rank: int, prefix: str = "rank", *, keep_before: int | None = None
+    ) -> None:
         directory = out_dir / METRICS_DIR
         directory.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = open(directory / f"{prefix}{rank}.jsonl", "w")  # noqa: SIM115
+        path = directory / f"{prefix}{rank}.jsonl"
+        kept = _lines_before(path, keep_before) if keep_before is not None else []
+        self._file: IO[str] = open(path, "w")  # noqa: SIM115
+        self._file.writelines(kept)
+        self._file.flush()
 
     def write(self, record: StepRecord | ServerRecord) -> None:
         self._file.write(json.dumps(asdict(record)) + "\n")
@@ -71,13 +79,39 @@ class MetricsWriter:
         self._file.close()
 
 
-def read_records(out_dir: Path, prefix: str = "rank") -> dict[int, list[dict[str, Any]]]:
-    """Every worker rank's step records (or, with prefix "server", every server's), by rank."""
+def _lines_before(path: Path, step: int) -> list[str]:
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short when the run died
+    return kept
+
+
+def read_records(
+    out_dir: Path, ranks: Iterable[int], prefix: str = "rank"
+) -> dict[int, list[dict[str, Any]]]:
+    """The step records of ``ranks`` (workers; with prefix "server", servers), by rank.
+
+    Only the named ranks are read, so files left by another run can never mix in.
+
+    Example:
+        >>> import tempfile
+        >>> read_records(Path(tempfile.mkdtemp()), range(2))
+        {}
+    """
     records: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((out_dir / METRICS_DIR).glob(f"{prefix}*.jsonl")):
+    for rank in ranks:
+        path = out_dir / METRICS_DIR / f"{prefix}{rank}.jsonl"
+        if not path.is_file():
+            continue
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if lines:
-            records[int(path.stem.removeprefix(prefix))] = lines
+            records[rank] = lines
     return records
 
 
@@ -104,14 +138,21 @@ def _cpu_model() -> str:
 
 
 def summarize(
-    out_dir: Path, *, global_batch: int, measure_warmup: int | None, run_info: dict[str, Any]
+    out_dir: Path,
+    *,
+    global_batch: int,
+    measure_warmup: int | None,
+    run_info: dict[str, Any],
+    world_size: int | None = None,
 ) -> dict[str, Any]:
     """Write ``summary.json``: throughput after warm-up, loss curve, bytes per step and rank.
 
     The job's step time is the slowest worker's step time; loss is the mean over workers
-    (equal shards, so it is the global-batch loss).
+    (equal shards, so it is the global-batch loss). Only this run's ranks are read: the
+    workers of ``run_info["workers"]`` and, for servers, the ranks below ``world_size``.
     """
-    records = read_records(out_dir)
+    workers = int(run_info["workers"])
+    records = read_records(out_dir, range(workers))
     steps = sorted({r["step"] for lines in records.values() for r in lines})
     by_step = {s: [r for lines in records.values() for r in lines if r["step"] == s] for s in steps}
     step_times = [max(r["step_time_s"] for r in by_step[s]) for s in steps]
@@ -137,7 +178,7 @@ def summarize(
         "bytes_sent_per_step": _mean(v["bytes_sent_per_step"] for v in per_rank.values()),
         "ranks": per_rank,
     }
-    servers = read_records(out_dir, "server")
+    servers = read_records(out_dir, range(world_size or workers), "server")
     if servers:  # parameter servers: bytes per step each, to show load imbalance
         summary["servers"] = {
             rank: {

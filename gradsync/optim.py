@@ -69,6 +69,26 @@ class Updater:
 
         Parameter servers use it: asynchronous pushes arrive out of step order.
         """
+        self._set_lr_of(step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def resume_at(self, steps_done: int) -> None:
+        """Move the schedule to where it was after ``steps_done`` updates (``--resume``).
+
+        Example:
+            >>> model = nn.Linear(2, 1)
+            >>> config = OptimConfig(lr=0.1, lr_warmup_steps=4)
+            >>> updater = Updater(model.parameters(), config, lr=0.1)
+            >>> updater.resume_at(2); round(updater.lr, 6)
+            0.075
+        """
+        self.schedule.last_epoch = steps_done
+        self._set_lr_of(steps_done)
+        self.schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def _set_lr_of(self, step: int) -> None:
+        """Give every parameter group the rate the schedule gives ``step``."""
         for group, base, factor in zip(
             self.optimizer.param_groups,
             self.schedule.base_lrs,
@@ -76,8 +96,6 @@ class Updater:
             strict=True,
         ):
             group["lr"] = base * factor(step)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     @property
     def lr(self) -> float:

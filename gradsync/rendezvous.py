@@ -29,6 +29,7 @@ from gradsync.errors import UserError
 from gradsync.topology import RankEnv
 
 KEY_PREFIX = "gradsync/rendezvous"
+_HOSTED_STORES: list[dist.Store] = []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +109,10 @@ def rendezvous(env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None
     info = info or RankInfo.here(env)
     check_resolves(env.master_addr)
     store = _connect(env, timeout)
+    if env.rank == 0:
+        # The store's server lives as long as this process, not as this object: the other
+        # ranks may still be reading the verdict when rank 0 raises it or moves on.
+        _HOSTED_STORES.append(store)
     store.set(f"{KEY_PREFIX}/rank{env.rank}", json.dumps(asdict(info)))
     if env.rank == 0:
         store.set(f"{KEY_PREFIX}/verdict", json.dumps(_verdict(store, info, timeout)))
@@ -132,15 +137,44 @@ def join_process_group(backend: str, env: RankEnv, timeout: timedelta) -> None:
     )
 
 
+def listen_socket(master_addr: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``master_addr:port`` itself, never to the wildcard address.
+
+    A local job's store thus listens on loopback only, and a multi-node job's on the one
+    interface the other nodes were told to reach (security: the rendezvous has no
+    authentication, so it should not listen where nobody needs to reach it).
+
+    Example:
+        >>> with listen_socket("127.0.0.1", 0) as sock:
+        ...     sock.getsockname()[0]
+        '127.0.0.1'
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        master_addr, port, type=socket.SOCK_STREAM
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _connect(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
     where = f"{env.master_addr}:{env.master_port}"
     try:
+        listen_fd = None
+        if env.rank == 0:  # the store's server listens on the master address only
+            listen_fd = listen_socket(env.master_addr, env.master_port).detach()
         return dist.TCPStore(
             env.master_addr,
             env.master_port,
             is_master=env.rank == 0,
             timeout=timeout,
             wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
     except (RuntimeError, OSError) as error:
         first_line = (str(error).strip().splitlines() or ["no message"])[0]

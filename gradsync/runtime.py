@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import atomic_write_text, save_checkpoint
+from gradsync.checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
 from gradsync.comm.batchnorm import convert_batchnorm
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed, shard_bounds
 from gradsync.errors import UserError
 from gradsync.evaluate import validation_accuracy
+from gradsync.heartbeat import beat, beating
+from gradsync.launch import STOPPED_PREFIX
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import workload_of
 from gradsync.models.base import Workload
@@ -31,10 +33,12 @@ from gradsync.optim import Updater, effective_lr
 from gradsync.probe import missing_on_any_worker, params_without_gradient
 from gradsync.progress import StepProgress
 from gradsync.rendezvous import join_process_group
+from gradsync.resume import restore, resumable, rng_tensors
+from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
 from gradsync.trace import NullTimeline, merge_rank_files, open_timeline
-from gradsync.trainer import train
+from gradsync.trainer import LossNotFinite, train
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 
@@ -58,8 +62,10 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
     distributed = env.world_size > 1 or config.strategy != "single"
     if distributed:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        beat("rendezvous")  # the rendezvous has its own timeout, naming missing ranks
         # The ranks check that they belong together (world size, versions) first.
         join_process_group(backend, env, timedelta(seconds=config.launch.timeout_s))
+    beat("build")
     try:
         _train_and_record(config, env, device, threads)
     finally:
@@ -94,6 +100,7 @@ def _train_and_record(
             _serve(config, env, strategy, device, worker_group, timeline)
         finally:
             timeline.close()  # its events are on disk before rank 0 merges them
+        beat("barrier")
         dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
         return
 
@@ -130,7 +137,10 @@ def _train_and_record(
     if env.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.json", config.to_json() + "\n")
-    writer = MetricsWriter(out, env.rank)
+    checkpoint = load_checkpoint(out / CHECKPOINT_FILE) if config.resume else None
+    writer = MetricsWriter(
+        out, env.rank, keep_before=int(checkpoint.meta["step"]) if checkpoint else None
+    )
     progress = StepProgress(config.steps, enabled=env.rank == 0, log_every=config.log_every)
     meta = {
         "model": config.model,
@@ -151,15 +161,30 @@ def _train_and_record(
         progress.update(record)
         done = record.step + 1
         if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps:
-            _write_checkpoint(strategy, out, {**meta, "step": done})
+            beat("checkpoint", record.step)
+            _write_checkpoint(strategy, out, {**meta, "step": done}, context)
+
+    def restore_checkpoint(strategy: Strategy) -> int:
+        assert checkpoint is not None and strategy.model is not None
+        return restore(checkpoint, strategy.model, strategy.updater, env.rank)
 
     with progress:
-        train(workload, strategy, context, global_batch=global_batch, on_step=on_step)
+        train(
+            workload,
+            strategy,
+            context,
+            global_batch=global_batch,
+            on_step=on_step,
+            restore=restore_checkpoint if checkpoint is not None else None,
+        )
     writer.close()
-    _write_checkpoint(strategy, out, {**meta, "step": config.steps})
+    beat("finish")
+    _write_checkpoint(strategy, out, {**meta, "step": config.steps}, context)
     strategy.finish()
     timeline.close()  # after finish: a colocated server thread records until then
+    beat("validate")
     accuracy = validation_accuracy(workload.model, workload, device) if env.rank == 0 else None
+    beat("barrier")
     if dist.is_initialized():
         dist.barrier()  # every rank's metrics are on disk before rank 0 summarizes
     if env.rank == 0 and config.timeline is not None:
@@ -170,6 +195,7 @@ def _train_and_record(
             out,
             global_batch=global_batch,
             measure_warmup=config.measure_warmup,
+            world_size=env.world_size,
             run_info={
                 **meta,
                 "steps": config.steps,
@@ -238,13 +264,18 @@ def _serve(
         role="server",
         timeline=timeline,
     )
-    strategy.serve(context)
+    with beating("serve"):  # the server loop waits on its inbox, not on steps
+        strategy.serve(context)
 
 
-def _write_checkpoint(strategy: Strategy, out: Path, meta: dict[str, object]) -> None:
+def _write_checkpoint(
+    strategy: Strategy, out: Path, meta: dict[str, object], context: Context
+) -> None:
+    # Resumable strategies also save every worker's RNG state (a collective of the workers).
+    rng = rng_tensors(context.worker_group, context.num_workers) if resumable(strategy.name) else {}
     tensors = strategy.checkpoint_tensors()
     if tensors is not None:
-        save_checkpoint(out / CHECKPOINT_FILE, tensors, meta)
+        save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng}, meta)
 
 
 def _device(config: TrainConfig, env: RankEnv) -> torch.device:
@@ -262,6 +293,7 @@ def main(argv: list[str]) -> int:
     """Entry point of one rank started by gradsync's launcher."""
     from gradsync.topology import detect_environment
 
+    stop_on_signals()  # SIGTERM/SIGHUP: finally blocks run, temp files go, exit 128 + signal
     text = Path(argv[0]).read_text()
     try:
         env = detect_environment()
@@ -276,6 +308,13 @@ def main(argv: list[str]) -> int:
     except UserError as error:
         print(f"gradsync: error: {error}", file=sys.stderr, flush=True)
         return 2
+    except LossNotFinite as error:
+        print(f"{STOPPED_PREFIX}{error}", file=sys.stderr, flush=True)
+        return 1
+    except Stopped as stop:
+        return stop.exit_code  # the launcher (or the batch system) stopped this rank
+    except KeyboardInterrupt:
+        return 130
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

@@ -6,12 +6,14 @@ optimizer update.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 import torch
 
 from gradsync.data.base import shard_bounds
+from gradsync.heartbeat import beat
 from gradsync.metrics import StepRecord
 from gradsync.models.base import Workload
 from gradsync.strategies.base import Context, Strategy
@@ -25,21 +27,29 @@ def train(
     *,
     global_batch: int,
     on_step: Callable[[StepRecord], None],
+    restore: Callable[[Strategy], int] | None = None,
 ) -> None:
     """Run ``context.config.steps`` steps of ``workload`` under ``strategy`` on this worker.
+
+    ``restore`` (``--resume``) loads a checkpoint into the set-up strategy and returns the
+    steps already done; training goes on from there. A loss that is not finite stops the
+    job at that step (:class:`LossNotFinite`).
 
     Example:
         >>> # train(workload, SingleProcess(), context, global_batch=32, on_step=print)
     """
     config = context.config
     timeline = context.timeline
+    beat("setup")
     module = strategy.setup(workload.model, context)
+    first_step = restore(strategy) if restore is not None else 0
     timeline.instrument_forward(workload.model)
     module.train()
     # Worker k of N takes the k-th contiguous shard of every step's global batch.
     start, stop = shard_bounds(global_batch, context.num_workers, context.worker_index)
     before = strategy.stats()
-    for step in range(config.steps):
+    for step in range(first_step, config.steps):
+        beat("forward", step)
         timeline.start_step(step)
         started = time.perf_counter()
         batch = workload.dataset.batch(step=step, size=global_batch, start=start, stop=stop)
@@ -47,8 +57,11 @@ def train(
         with timeline.span(COMPUTE, Phase.FORWARD):
             output = module(*batch.inputs, **batch.shared)
             loss = workload.loss(output, batch.targets)
+        check_loss(loss, step, context.rank)
+        beat("backward", step)
         with timeline.span(COMPUTE, Phase.BACKWARD):
             loss.backward()
+        beat("sync", step)
         # Sync point: communication completes and the parameters are updated here.
         strategy.step()
         elapsed = time.perf_counter() - started
@@ -69,3 +82,24 @@ def train(
             )
         )
         before = after
+
+
+class LossNotFinite(Exception):
+    """The loss became NaN or infinite: the run stops at that step (exit 1)."""
+
+
+def check_loss(loss: torch.Tensor, step: int, rank: int) -> None:
+    """Raise :class:`LossNotFinite` naming the step when ``loss`` is NaN or infinite.
+
+    Example:
+        >>> check_loss(torch.tensor(float("nan")), 7, 0)
+        Traceback (most recent call last):
+        ...
+        gradsync.trainer.LossNotFinite: loss is nan at step 7 on rank 0; ...
+    """
+    value = float(loss.detach().item())
+    if not math.isfinite(value):
+        raise LossNotFinite(
+            f"loss is {value} at step {step} on rank {rank}; the run stops here (lower --lr, "
+            "check the data, or use --dtype float64)"
+        )

@@ -324,9 +324,60 @@ def load_experiment(path: str | Path) -> Experiment:
         raise UserError(f"{where}: give global_batch or batch_per_worker, not both")
     experiment = Experiment(**values)
     _check_names(experiment, where)
+    check_bounds(experiment, where)  # issue 12: by arithmetic, before the matrix is built
     if (cells := len(experiment.cells())) > MAX_CELLS:
         raise UserError(f"{where}: {cells:,} cells is above the limit of {MAX_CELLS:,}")
     return experiment
+
+
+# Bounds (issue 12): a typo such as repeats = 1000000000 is refused before any allocation.
+MAX_REPEATS = 1_000
+MAX_STEPS = 1_000_000
+MAX_WORKERS = 1_024
+
+
+def check_bounds(experiment: Experiment, where: str) -> None:
+    """UserError when repeats, steps, workers or the number of cells exceed their limits.
+
+    The cell count is computed by arithmetic, so the check itself allocates nothing.
+
+    Example:
+        >>> check_bounds(Experiment(name="x", path="x.toml", repeats=10**9), "x.toml")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: x.toml: repeats = 1000000000 exceeds the limit of 1000 ...
+    """
+    for key, value, limit in (
+        ("repeats", experiment.repeats, MAX_REPEATS),
+        ("steps", experiment.steps, MAX_STEPS),
+        ("workers", max(experiment.workers), MAX_WORKERS),
+    ):
+        if value > limit:
+            raise UserError(
+                f"{where}: {key} = {value} exceeds the limit of {limit} (every value is one "
+                f"job or step run for real); lower {key}"
+            )
+    batches = experiment.batch_per_worker or experiment.global_batch
+    cells = experiment.repeats * math.prod(
+        len(axis)
+        for axis in (
+            experiment.models,
+            experiment.strategies,
+            experiment.workers,
+            batches,
+            experiment.threads,
+            experiment.interop_threads,
+            experiment.bandwidths,
+            experiment.lr_scaling,
+            experiment.servers or [None],
+            *(values for options in experiment.options.values() for values in options.values()),
+        )
+    )
+    if cells > MAX_CELLS:
+        raise UserError(
+            f"{where}: the matrix has up to {cells:,} cells (repeats {experiment.repeats} × the "
+            f"lists' lengths), more than the limit of {MAX_CELLS:,}; shorten the lists or repeats"
+        )
 
 
 def _strings(value: Any, key: str, where: str) -> list[str]:

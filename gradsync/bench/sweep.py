@@ -3,15 +3,21 @@
 A results folder holds ``experiment.toml`` (a copy), ``results.jsonl`` (one line per
 finished cell: its parameters, status, raw per-step timings, statistics, environment) and
 ``cells/<cell id>/`` (each job's own run folder). Cells already recorded as ``ok`` are
-skipped when the sweep is started again; a failing cell is recorded with its error and the
-sweep goes on.
+skipped when the sweep is started again, but only if their settings are unchanged: every
+record carries the cell's job settings and a fingerprint (a hash of every setting that
+affects the result), and a cell whose settings changed since (steps, preset, lr, seed,
+model options, …) runs again, the sweep saying which setting changed. A failing cell is
+recorded with its error and the sweep goes on; a line cut short (a sweep killed while
+writing) is skipped with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -74,17 +80,105 @@ def cell_config(
     return config
 
 
+def cell_settings(config: TrainConfig) -> dict[str, Any]:
+    """The job settings that affect a cell's result: its config without the paths of its
+    outputs (a timeline is recorded or not, wherever it goes).
+
+    Example:
+        >>> settings = cell_settings(TrainConfig(model="mnist-cnn", steps=3, out="a"))
+        >>> settings["steps"], "out" in settings
+        (3, False)
+    """
+    settings = json.loads(config.to_json())
+    settings.pop("out")
+    settings["timeline"] = settings["timeline"] is not None
+    return settings
+
+
+def fingerprint(settings: dict[str, Any]) -> str:
+    """A short hash of ``settings`` (canonical JSON): a cell's identity beyond its name.
+
+    Example:
+        >>> fingerprint({"steps": 3}) == fingerprint({"steps": 3}) != fingerprint({"steps": 4})
+        True
+    """
+    canonical = json.dumps(settings, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def changed_settings(
+    recorded: dict[str, Any], current: dict[str, Any], prefix: str = ""
+) -> list[str]:
+    """``key old → new`` for every setting that differs (nested sections as ``optim.lr``).
+
+    Example:
+        >>> changed_settings({"steps": 3, "optim": {"lr": 0.1}}, {"steps": 6, "optim": {"lr": 0.1}})
+        ['steps 3 → 6']
+    """
+    changes = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += changed_settings(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key} {old} → {new}")
+    return changes
+
+
 def load_results(out: Path) -> list[dict[str, Any]]:
-    """Every recorded cell (the last record wins when a cell was retried)."""
+    """Every recorded cell (the last record wins when a cell was retried).
+
+    A line that is not a JSON record (cut short when a sweep was killed) is skipped with a
+    warning on stderr; the cell it belonged to counts as not run.
+    """
     path = out / RESULTS_FILE
     if not path.exists():
         return []
     records: dict[str, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
             records[record["id"]] = record
+        except (ValueError, KeyError, TypeError):
+            print(
+                f"gradsync: warning: {path} line {number} is not a complete record "
+                f"({line[:40]!r}…); skipped, its cell counts as not run",
+                file=sys.stderr,
+            )
     return list(records.values())
+
+
+def _cells_to_run(
+    cells: list[Cell], configs: dict[str, TrainConfig], out: Path
+) -> tuple[list[Cell], int]:
+    """The cells without an ``ok`` record of the same settings; say why each reruns."""
+    recorded = {r["id"]: r for r in load_results(out) if r["status"] == "ok"}
+    todo, done = [], 0
+    for cell in cells:
+        settings = cell_settings(configs[cell.id])
+        record = recorded.get(cell.id)
+        if record is not None and record.get("fingerprint") == fingerprint(settings):
+            done += 1
+            continue
+        if record is not None:
+            changes = changed_settings(record.get("settings", {}), settings)
+            reason = "; ".join(changes[:4]) if record.get("settings") else "no settings recorded"
+            print(f"cell {cell.id}: runs again, its settings changed ({reason})", flush=True)
+        todo.append(cell)
+    return todo, done
+
+
+def _end_with_newline(path: Path) -> None:
+    """Finish a line cut short, so the next record starts on a line of its own."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as handle:
+            handle.seek(-1, 2)
+            last = handle.read(1)
+        if last != b"\n":
+            with open(path, "ab") as handle:
+                handle.write(b"\n")
 
 
 def run_sweep(
@@ -107,12 +201,12 @@ def run_sweep(
     configs = {cell.id: cell_config(experiment, cell, out, timeline=timeline) for cell in cells}
     for config in configs.values():
         validate(config)  # a bad matrix fails before the first job, not halfway
-    done = {r["id"] for r in load_results(out) if r["status"] == "ok"}
-    todo = [cell for cell in cells if cell.id not in done]
-    if done:
-        print(f"resuming {out}: {len(done)} cell(s) already done, {len(todo)} to run")
+    todo, done = _cells_to_run(cells, configs, out)
+    if done or len(todo) < len(cells):
+        print(f"resuming {out}: {done} cell(s) already done, {len(todo)} to run")
+    _end_with_newline(out / RESULTS_FILE)
     with (
-        _SweepProgress(len(cells), len(done), enabled=show_progress) as progress,
+        _SweepProgress(len(cells), done, enabled=show_progress) as progress,
         open(out / RESULTS_FILE, "a") as results,
     ):
         for cell in todo:
@@ -144,11 +238,14 @@ def run_cell(
     run: Callable[[TrainConfig], dict[str, Any]] = run_job,
 ) -> dict[str, Any]:
     """Run one cell's job (with ``run``); its record, ``ok`` or ``failed`` with the error."""
+    settings = cell_settings(config)
     record: dict[str, Any] = {
         "id": cell.id,
         **dataclasses.asdict(cell),
         "experiment": experiment.name,
         "out": config.out,
+        "settings": settings,
+        "fingerprint": fingerprint(settings),
     }
     started = time.time()
     try:
@@ -160,7 +257,7 @@ def run_cell(
             "error": str(error).splitlines()[0][:500],
             "wall_s": time.time() - started,
         }
-    records = read_records(Path(config.out))
+    records = read_records(Path(config.out), range(cell.workers))
     steps = sorted({r["step"] for lines in records.values() for r in lines})
     step_times = [
         max(r["step_time_s"] for lines in records.values() for r in lines if r["step"] == s)

@@ -100,6 +100,8 @@ class MNISTImages(IndexedSamples):
                 f"MNIST files in {location} disagree: {count} images but {label_count} labels; "
                 f"{_HOW_TO_FIX}"
             )
+        if count == 0:
+            raise UserError(f"MNIST files in {location} hold 0 images; {_HOW_TO_FIX}")
         self.images = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(
             count, 1, rows, columns
         )

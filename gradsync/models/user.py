@@ -47,11 +47,20 @@ def _load_function(name: str) -> Callable[..., Any]:
         sys.modules[spec.name] = module
         try:
             spec.loader.exec_module(module)
+        except SystemExit as error:  # sys.exit() in a model file is not a way to build one
+            raise UserError(
+                f"user model file {path} called sys.exit({error.code!r}) while being imported; "
+                "a model file defines a build function and returns"
+            ) from None
         except Exception as error:
             raise UserError(f"user model file {path} failed to import: {error!r}") from None
     else:
         try:
             module = importlib.import_module(location)
+        except SystemExit as error:
+            raise UserError(
+                f"user model module '{location}' called sys.exit({error.code!r}) on import"
+            ) from None
         except Exception as error:
             raise UserError(f"cannot import user model module '{location}': {error!r}") from None
     function = getattr(module, function_name, None)
@@ -84,7 +93,13 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
     kwargs = {k: v for k, v in available.items() if takes_any or k in parameters}
     if load_only:
         return None  # type: ignore[return-value]
-    result = build(**kwargs)
+    try:
+        result = build(**kwargs)
+    except SystemExit as error:
+        raise UserError(
+            f"user model {name} called sys.exit({error.code!r}) instead of returning "
+            "(model, dataset, loss)"
+        ) from None
     if isinstance(result, Workload):
         return result
     if not (isinstance(result, tuple) and len(result) == 3):
@@ -93,6 +108,17 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
             f"got {type(result).__name__}"
         )
     model, dataset, loss = result
+    if not isinstance(model, torch.nn.Module) or not callable(loss):
+        raise UserError(
+            f"user model {name} must return (model, dataset, loss) with an nn.Module and a "
+            f"callable loss, got ({type(model).__name__}, {type(dataset).__name__}, "
+            f"{type(loss).__name__})"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(
+            f"user model {name} has no trainable parameters, so there is nothing to "
+            "synchronize; return a model with parameters"
+        )
     if not isinstance(dataset, Dataset):
         dataset = MapStyleSamples(dataset, seed=request.seed)
     return Workload(
@@ -128,3 +154,31 @@ class MapStyleSamples(IndexedSamples):
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
         return Batch(inputs=tuple(inputs), targets=targets)
+
+
+def check_user_step(name: str, workload: Workload) -> None:
+    """Run one forward pass and loss on two samples; UserError unless the loss is a scalar
+    tensor that has a gradient. Runs in the launcher, before any rank starts.
+
+    Example:
+        >>> # check_user_step("my_model.py:build", build_user_workload(name, request))
+    """
+    batch = workload.dataset.batch(step=0, size=2, start=0, stop=2)
+    try:
+        output = workload.model(*batch.inputs, **batch.shared)
+        loss = workload.loss(output, batch.targets)
+    except Exception as error:
+        raise UserError(
+            f"user model {name} failed on a batch of 2 samples: {error!r}"[:400]
+        ) from None
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UserError(
+            f"user model {name}'s loss returned {shape}, not a scalar tensor; return the mean "
+            "over the batch (e.g. cross_entropy(output, targets))"
+        )
+    if not loss.requires_grad:
+        raise UserError(
+            f"user model {name}'s loss has no gradient (it does not depend on the parameters, "
+            "or was computed under no_grad / with .item()); return a tensor from the model's output"
+        )

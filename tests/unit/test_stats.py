@@ -237,7 +237,7 @@ def test_summarize_default_warmup_and_many_ranks(tmp_path):
                 for s, t in enumerate(times)
             ],
         )
-    summary = summarize(tmp_path, global_batch=10, measure_warmup=None, run_info={})
+    summary = summarize(tmp_path, global_batch=10, measure_warmup=None, run_info={"workers": 11})
     assert summary["throughput"]["warmup_steps"] == 5
     assert summary["throughput"]["median"] == pytest.approx(10 / 1.1)  # rank 10 is slowest
     assert sorted(int(rank) for rank in summary["ranks"]) == [0, 2, 10]
@@ -263,16 +263,45 @@ def test_metrics_writer_and_read_records_round_trip(tmp_path):
     for record in records:
         writer.write(record)
         # flushed per line: readable before close
-        assert len(read_records(tmp_path)[3]) == record.step + 1
+        assert len(read_records(tmp_path, [3])[3]) == record.step + 1
     writer.close()
-    back = read_records(tmp_path)
+    back = read_records(tmp_path, range(4))
     assert list(back) == [3]
     assert [StepRecord(**r) for r in back[3]] == records
 
 
 def test_read_records_skips_empty_rank_files(tmp_path):
     _write_rank(tmp_path, 0, [])
-    assert read_records(tmp_path) == {}
+    assert read_records(tmp_path, [0]) == {}
+
+
+def test_summary_reads_only_this_runs_ranks(tmp_path):
+    """A rank file left by an earlier, wider run never mixes into this run's summary."""
+    _write_rank(
+        tmp_path,
+        0,
+        [_record(s, 0, time=1.0, loss=1.0, sent=1, recv=1, exposed=0.0) for s in range(6)],
+    )
+    _write_rank(
+        tmp_path,
+        1,
+        [_record(s, 1, time=1.0, loss=9.0, sent=1, recv=1, exposed=0.0) for s in range(12)],
+    )
+    summary = summarize(tmp_path, global_batch=4, measure_warmup=1, run_info={"workers": 1})
+    assert len(summary["loss"]) == 6 and summary["final_loss"] == 1.0
+    assert list(summary["ranks"]) == [0]
+
+
+def test_resumed_metrics_keep_the_steps_before_the_checkpoint(tmp_path):
+    _write_rank(
+        tmp_path,
+        0,
+        [_record(s, 0, time=1.0, loss=1.0, sent=1, recv=1, exposed=0.0) for s in range(12)],
+    )
+    with (tmp_path / "metrics" / "rank0.jsonl").open("a") as cut:
+        cut.write('{"step": 12, "ra')  # the line being written when the run died
+    MetricsWriter(tmp_path, rank=0, keep_before=10).close()
+    assert [r["step"] for r in read_records(tmp_path, [0])[0]] == list(range(10))
 
 
 # ---------------------------------------------------------------- tables

@@ -1,0 +1,186 @@
+"""``--resume RUN_DIR`` and ``--max-restarts``: continue a run from its last checkpoint.
+
+The checkpoint (one safetensors file, see :mod:`gradsync.checkpoint`) holds everything a
+run needs to go on as if it had never stopped:
+
+- parameters and buffers (``param/``, ``buffer/``) and optimizer state (``optim/``);
+- the learning-rate schedule's position and the data position: both are the number of
+  steps done (``step`` in the metadata; a step's batch is a function of its index);
+- every worker's torch RNG state (``rng/worker<r>``), so dropout draws the same masks.
+
+A resumed run therefore ends bit-identical to one that was never interrupted (tested per
+strategy in float64). Strategies whose state lives on server ranks (ps, hybrid, p3) are not
+resumable yet: their servers' shards and optimizer state would have to be gathered into the
+checkpoint and handed back to the servers before the first pull (see docs/faults.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.checkpoint import BUFFER, OPTIM, PARAM, Checkpoint, load_checkpoint
+from gradsync.config import TrainConfig
+from gradsync.errors import UserError
+
+RESUMABLE = ("single", "ddp", "allreduce")
+RNG = "rng/worker"
+CHECKPOINT_FILE = "checkpoint.safetensors"
+# Settings that must match between the checkpoint and the resumed run.
+MUST_MATCH = (
+    "model",
+    "preset",
+    "model_options",
+    "strategy",
+    "workers",
+    "seed",
+    "global_batch",
+    "optimizer",
+    "deterministic",
+    "dtype",
+)
+
+
+def resumable(strategy: str) -> bool:
+    """Whether ``--resume`` and ``--max-restarts`` can restore ``strategy``'s state.
+
+    Example:
+        >>> resumable("allreduce"), resumable("ps")
+        (True, False)
+    """
+    return strategy in RESUMABLE
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step count of the checkpoint in ``run_dir``, or None when it has none.
+
+    Example:
+        >>> import tempfile
+        >>> checkpoint_step(Path(tempfile.mkdtemp())) is None
+        True
+    """
+    path = run_dir / CHECKPOINT_FILE
+    if not path.is_file():
+        return None
+    return int(load_checkpoint(path).meta.get("step", 0))
+
+
+def check_resume(config: TrainConfig, run_dir: Path) -> int:
+    """UserError unless ``config`` can continue the run in ``run_dir``; its step count.
+
+    Example:
+        >>> # check_resume(config, Path("runs/a"))  # → 10 (the checkpoint's step)
+    """
+    if not resumable(config.strategy):
+        raise UserError(
+            f"--resume restores {', '.join(RESUMABLE)} runs; strategy '{config.strategy}' keeps "
+            "its state on server ranks, which gradsync cannot restore yet: start it again"
+        )
+    if not run_dir.is_dir():
+        raise UserError(f"--resume {run_dir}: no such run folder; pass the --out of the run")
+    if not (run_dir / CHECKPOINT_FILE).is_file():
+        raise UserError(
+            f"--resume {run_dir}: the run wrote no checkpoint (it stopped before its first "
+            "one); start it again with --checkpoint-every N"
+        )
+    checkpoint = load_checkpoint(run_dir / CHECKPOINT_FILE)
+    step = int(checkpoint.meta.get("step", 0))
+    for difference in meta_differences(checkpoint.meta, config):
+        raise UserError(
+            f"--resume {run_dir}: the run was started with {difference}; resume it with the "
+            "same settings"
+        )
+    if step >= config.steps:
+        raise UserError(
+            f"--resume {run_dir}: the checkpoint is at step {step}, and --steps is "
+            f"{config.steps}; pass a larger --steps to train further"
+        )
+    return step
+
+
+def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
+    """``setting X, not Y`` for every result-affecting setting the run and ``config`` differ in.
+
+    Example:
+        >>> meta = {"model": "mnist-cnn", "workers": 2, "global_batch": None}
+        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", workers=4))
+        ['workers 2, not 4']
+    """
+    mine = {
+        "model": config.model,
+        "preset": config.preset,
+        "model_options": config.model_options,
+        "strategy": config.strategy,
+        "workers": config.workers,
+        "seed": config.seed,
+        "global_batch": config.global_batch,
+        "optimizer": config.optim.name,
+        "deterministic": config.deterministic,
+        "dtype": config.dtype,
+    }
+    differences = []
+    for key in MUST_MATCH:
+        if key not in meta or (key == "global_batch" and config.global_batch is None):
+            continue  # an older checkpoint, or the preset's batch (recorded resolved)
+        if meta[key] != mine[key]:
+            differences.append(f"{key} {meta[key]}, not {mine[key]}")
+    return differences
+
+
+def rng_tensors(worker_group: Any, num_workers: int) -> dict[str, torch.Tensor]:
+    """Every worker's torch RNG state, gathered (a collective over the workers).
+
+    Example:
+        >>> sorted(rng_tensors(None, 1))
+        ['rng/worker0']
+    """
+    state = torch.get_rng_state()
+    if num_workers == 1 or not dist.is_initialized():
+        return {f"{RNG}0": state}
+    states = [torch.empty_like(state) for _ in range(num_workers)]
+    dist.all_gather(states, state, group=worker_group)
+    return {f"{RNG}{worker}": value for worker, value in enumerate(states)}
+
+
+def restore(checkpoint: Checkpoint, model: torch.nn.Module, updater: Any, worker: int) -> int:
+    """Put the checkpoint's state into ``model``, ``updater`` and this worker's RNG.
+
+    Returns the number of steps done, where training goes on. ``updater`` is the
+    strategy's :class:`gradsync.optim.Updater`.
+
+    Example:
+        >>> # start = restore(load_checkpoint("runs/a"), strategy.model, strategy.updater, 0)
+    """
+    tensors = checkpoint.tensors
+    names = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(tensors[PARAM + name])
+            names[name] = param
+        for name, buffer in model.named_buffers():
+            buffer.copy_(tensors[BUFFER + name])
+    optimizer = updater.optimizer
+    for key, value in tensors.items():
+        if key.startswith(OPTIM):
+            param_name, _, state_key = key.removeprefix(OPTIM).rpartition("/")
+            optimizer.state[names[param_name]][state_key] = value.clone()
+    steps_done = int(checkpoint.meta["step"])
+    updater.resume_at(steps_done)
+    rng = tensors.get(f"{RNG}{worker}")
+    if rng is not None:
+        torch.set_rng_state(rng)
+    return steps_done
+
+
+__all__ = [
+    "RESUMABLE",
+    "check_resume",
+    "checkpoint_step",
+    "meta_differences",
+    "restore",
+    "resumable",
+    "rng_tensors",
+]

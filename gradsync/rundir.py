@@ -1,0 +1,87 @@
+"""Run folders: one job's outputs, never mixed with another job's.
+
+A job refuses a results folder that already holds files (``--overwrite`` clears it
+deliberately, but only when it looks like gradsync's own output), and checks before any
+process starts that the folder can be created and written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from gradsync.errors import UserError
+
+# Files and folders a gradsync job writes at the top of its run folder.
+RUN_MARKERS = (
+    "config.json",
+    "summary.json",
+    "metrics",
+    "stdout.log",
+    "checkpoint.safetensors",
+    "verify.json",
+    "results.jsonl",
+    "commbench.json",
+)
+
+
+def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
+    """Make ``path`` an empty, writable run folder, or raise a one-line UserError.
+
+    An existing folder with files in it is refused unless ``overwrite``; then it is cleared,
+    but only if it holds a gradsync output (so ``--overwrite`` cannot empty a home folder).
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp()) / "run"
+        >>> claim_run_dir(run, overwrite=False)
+        >>> (run / "config.json").write_text("{}")
+        2
+        >>> claim_run_dir(run, overwrite=False)
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --out ... already holds a run (config.json); pass --overwrite ...
+    """
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a folder; pick another {flag}")
+    if path.is_dir() and any(path.iterdir()):
+        found = sorted(p.name for p in path.iterdir())
+        if not overwrite:
+            raise UserError(
+                f"{flag} {path} already holds a run ({', '.join(found[:3])}"
+                f"{', …' if len(found) > 3 else ''}); pass --overwrite to replace it, "
+                f"or pick another {flag}"
+            )
+        if not any(name in RUN_MARKERS for name in found):
+            raise UserError(
+                f"--overwrite refuses to clear {path}: it holds files but no gradsync run "
+                f"({', '.join(found[:3])}); pick another {flag}"
+            )
+        shutil.rmtree(path)
+    check_writable(path, flag=flag)
+
+
+def check_writable(path: Path, *, flag: str = "--out") -> None:
+    """Create ``path`` (and parents) and write a probe file there; UserError when we cannot.
+
+    Example:
+        >>> check_writable(Path("/proc/no-such-folder"))
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --out /proc/no-such-folder cannot be created or written ...
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".gradsync-probe.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise UserError(
+            f"{flag} {path} cannot be created or written ({error.strerror or error}); "
+            "pick a writable folder"
+        ) from None
+
+
+__all__ = ["RUN_MARKERS", "check_writable", "claim_run_dir"]

@@ -1,0 +1,84 @@
+"""Checks of a Chrome trace before ``gradsync timeline summarize`` reads it.
+
+A trace edited by hand, cut short by a killed job or written by another tool can have an
+``E`` without its ``B``, a ``B`` never closed, or events without ``pid``/``tid``/``ts``.
+Each is one line naming the trace, the event and how to fix it (exit 2), found before any
+summary or chart is written; so is a ``--step`` the trace does not record.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UserError
+from gradsync.trace import Phase
+
+SPAN_PHASES = ("B", "E", "X")
+_FIX = "write the trace again with gradsync train --timeline PATH"
+
+
+def check_events(path: Path, events: list[Any]) -> list[int]:
+    """UserError on a malformed event or an unmatched B/E; the steps the trace records.
+
+    Example:
+        >>> events = [{"ph": "B", "name": "STEP", "pid": 0, "tid": 0, "ts": 0, "args": {"step": 3}},
+        ...           {"ph": "E", "pid": 0, "tid": 0, "ts": 5}]
+        >>> check_events(Path("t.json"), events)
+        [3]
+        >>> check_events(Path("t.json"), events[1:])
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: t.json: event 0 (E on pid 0, tid 0) ends a span that never ...
+    """
+    open_spans: dict[tuple[Any, Any], list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    steps: set[int] = set()
+    for index, event in enumerate(events):
+        if not isinstance(event, dict) or event.get("ph") not in (*SPAN_PHASES, "M", "i", "C"):
+            raise UserError(f"{path}: event {index} is not a trace event ({event!r:.60}); {_FIX}")
+        if event["ph"] not in SPAN_PHASES:
+            continue
+        for key in ("pid", "tid", "ts"):
+            if not isinstance(event.get(key), int | float) or isinstance(event.get(key), bool):
+                raise UserError(
+                    f"{path}: event {index} ({event['ph']} {event.get('name', '?')}) has no "
+                    f"numeric {key}; {_FIX}"
+                )
+        track = (event["pid"], event["tid"])
+        where = f"{event['ph']} on pid {track[0]}, tid {track[1]}"
+        if event["ph"] == "B":
+            open_spans[track].append((index, event))
+        elif event["ph"] == "E":
+            if not open_spans[track]:
+                raise UserError(
+                    f"{path}: event {index} ({where}) ends a span that never began; {_FIX}"
+                )
+            _, begin = open_spans[track].pop()
+            if begin.get("name") == Phase.STEP and track[1] == 0:
+                steps.add(int(begin.get("args", {}).get("step", -1)))
+    for track, unclosed in open_spans.items():
+        if unclosed:
+            index, event = unclosed[-1]
+            raise UserError(
+                f"{path}: event {index} (B {event.get('name', '?')} on pid {track[0]}, tid "
+                f"{track[1]}) is never ended (a job killed while tracing?); {_FIX}"
+            )
+    return sorted(steps)
+
+
+def check_trace(path: Path, step: int | None = None) -> None:
+    """Check ``path`` (and that it records ``step``, when given) before summarizing it.
+
+    Example:
+        >>> # check_trace(Path("runs/a/trace.json"), step=12)
+    """
+    from gradsync.timeline_summary import load_trace
+
+    steps = check_events(path, load_trace(path)["traceEvents"])
+    if step is not None and step not in steps:
+        recorded = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
+        raise UserError(f"--step {step} is not in {path}, which records {recorded}; pick one")
+
+
+__all__ = ["check_events", "check_trace"]

@@ -1,0 +1,63 @@
+"""A small user model that fails on purpose, for the fault tests (tests/e2e/test_reliability.py).
+
+Options (``--model-option KEY=VALUE``):
+
+- ``crash_at=N``: the rank ``crash_rank`` (default 1) kills itself with SIGKILL in its N-th
+  forward pass, once: it first creates the file ``marker``, and does nothing if it exists
+  (so a resumed or restarted run goes through);
+- ``nan_at=N``: the loss is NaN from the N-th forward pass on.
+
+It has dropout, so a resumed run matches only if the RNG streams are restored too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Faulty(nn.Module):
+    def __init__(self, *, dropout: bool, crash_at: int, crash_rank: int, marker: str) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2 if dropout else 0.0), nn.Linear(16, 4)
+        )
+        self.calls = 0
+        self.crash_at, self.crash_rank, self.marker = crash_at, crash_rank, Path(marker)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        crash_here = int(os.environ.get("RANK", "0")) == self.crash_rank
+        if self.calls == self.crash_at and crash_here and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.layers(inputs)
+
+
+def build(
+    seed: int = 0,
+    dropout: bool = True,
+    crash_at: str = "0",
+    crash_rank: str = "1",
+    marker: str = "crashed",
+    nan_at: str = "0",
+):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(256, 8, generator=generator)
+    targets = torch.randint(0, 4, (256,), generator=generator)
+    model = Faulty(
+        dropout=dropout, crash_at=int(crash_at), crash_rank=int(crash_rank), marker=marker
+    )
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        value = nn.functional.cross_entropy(output, target)
+        if int(nan_at) and model.calls >= int(nan_at):
+            return value * float("nan")
+        return value
+
+    return model, TensorDataset(inputs, targets), loss

@@ -1,0 +1,310 @@
+"""Issue 12 without processes: run folders, heartbeats and blame, bench identity, bounds,
+checkpoint metadata, resume checks, a loss that is not finite."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.bench import sweep
+from gradsync.bench.experiment import Experiment, check_bounds
+from gradsync.checkpoint import load_checkpoint, save_checkpoint, sidecar_path
+from gradsync.config import TrainConfig
+from gradsync.errors import UserError
+from gradsync.heartbeat import LastBeat
+from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank
+from gradsync.resume import check_resume, meta_differences
+from gradsync.rundir import claim_run_dir
+from gradsync.signals import Stopped
+from gradsync.trainer import LossNotFinite, check_loss
+
+# ---------------------------------------------------------------- run folders
+
+
+def test_a_used_run_folder_is_refused_and_overwrite_clears_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    (run / "metrics" / "rank1.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="--overwrite"):
+        claim_run_dir(run, overwrite=False)
+    claim_run_dir(run, overwrite=True)
+    assert run.is_dir() and not any(run.iterdir())
+
+
+def test_overwrite_never_clears_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
+    (tmp_path / "thesis.tex").write_text("years of work")
+    with pytest.raises(UserError, match="no gradsync run"):
+        claim_run_dir(tmp_path, overwrite=True)
+    assert (tmp_path / "thesis.tex").exists()
+
+
+def test_out_that_is_a_file_or_unwritable_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        claim_run_dir(tmp_path / "file", overwrite=False)
+    with pytest.raises(UserError, match="cannot be created or written"):
+        claim_run_dir(tmp_path / "file" / "below", overwrite=False)
+
+
+# ---------------------------------------------------------------- heartbeats and blame
+
+
+class _FakePopen:
+    """Just enough of Popen for the launcher's bookkeeping."""
+
+    def __init__(self, pid: int, returncode: int | None = None) -> None:
+        self.pid, self.returncode = pid, returncode
+
+
+def _rank(rank: int, *, step: int, phase: str, at: float, code: int | None = None) -> RankProcess:
+    process = RankProcess(rank, _FakePopen(10**7 + rank, code))  # type: ignore[arg-type]
+    process.last_beat = LastBeat(at=at, step=step, phase=phase)
+    return process
+
+
+def test_the_silent_rank_doing_its_own_work_is_blamed_not_the_waiter() -> None:
+    now = 1000.0
+    waiter = _rank(0, step=12, phase="sync", at=now - 31)
+    hung = _rank(1, step=12, phase="backward", at=now - 30.5)
+    assert _silent_rank([waiter, hung], 30.0, now) is hung
+    assert _silent_rank([waiter, hung], 60.0, now) is None  # not silent long enough
+
+
+def test_hang_limit_grows_with_slow_steps_and_starting_ranks_are_left_alone() -> None:
+    now = 1000.0
+    slow = _rank(0, step=3, phase="forward", at=now - 40)
+    slow.last_beat.slowest_step_s = 10.0  # 5 steps of 10 s = 50 s > 30 s
+    assert _silent_rank([slow], 30.0, now) is None
+    starting = _rank(1, step=-1, phase="rendezvous", at=now - 100)
+    assert _silent_rank([starting], 30.0, now) is None
+    building = _rank(2, step=-1, phase="build", at=now - 100)  # first step: 5 × the limit
+    assert _silent_rank([building], 30.0, now) is None
+    assert _silent_rank([building], 30.0, now + 60) is building
+
+
+def test_a_lost_connection_is_a_victim_and_the_earliest_failure_is_the_cause() -> None:
+    victim = _rank(0, step=5, phase="sync", at=0.0, code=1)
+    victim.tail = deque(["RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"])
+    victim.exited_at = 10.0
+    cause = _rank(1, step=5, phase="forward", at=0.0, code=-9)
+    cause.exited_at = 10.05
+    later = _rank(2, step=5, phase="forward", at=0.0, code=1)
+    later.exited_at = 11.0
+    assert min([victim, later, cause], key=_blame_order) is cause
+    failure = _failure(cause, victims=[victim, later])
+    assert "rank 1" in str(failure) and "SIGKILL" in failure.cause  # type: ignore[attr-defined]
+    assert "rank(s) 0 then lost their connection" in str(failure)
+
+
+def test_last_beat_measures_steps_and_describes_itself() -> None:
+    beat = LastBeat(at=0.0)
+    for at, line in [(1.0, "0 forward"), (1.5, "0 sync"), (4.0, "1 forward"), (4.2, "1 backward")]:
+        beat.update(line, at)
+    assert beat.slowest_step_s == 3.0 and beat.describe() == "backward of step 1"
+    beat.update("garbage", 5.0)
+    assert beat.at == 4.2
+
+
+def test_heartbeats_reach_a_pipe_without_blocking(tmp_path: Path) -> None:
+    script = (
+        "from gradsync.heartbeat import beat\n"
+        "for step in range(3):\n"
+        "    beat('forward', step); beat('sync', step)\n"
+        "beat('sync', 2)\n"  # thinned: same step and phase within 0.5 s
+    )
+    read, write = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env={**os.environ, "GRADSYNC_HEARTBEAT_FD": str(write)},
+        pass_fds=(write,),
+    )
+    os.close(write)
+    with open(read, "rb") as beats:
+        lines = beats.read().decode().splitlines()
+    assert child.wait(timeout=60) == 0
+    assert lines == ["0 forward", "0 sync", "1 forward", "1 sync", "2 forward", "2 sync"]
+
+
+def test_stopped_carries_the_shell_exit_code() -> None:
+    assert Stopped(signal.SIGTERM).exit_code == 143 and Stopped(signal.SIGHUP).exit_code == 129
+
+
+# ---------------------------------------------------------------- bench identity and bounds
+
+
+def test_a_changed_setting_changes_the_fingerprint_and_is_named() -> None:
+    before = sweep.cell_settings(TrainConfig(model="mnist-cnn", steps=6, out="a"))
+    after = sweep.cell_settings(TrainConfig(model="mnist-cnn", steps=12, out="b"))
+    same = sweep.cell_settings(TrainConfig(model="mnist-cnn", steps=6, out="c"))
+    assert sweep.fingerprint(before) == sweep.fingerprint(same) != sweep.fingerprint(after)
+    assert sweep.changed_settings(before, after) == ["steps 6 → 12"]
+
+
+def test_a_truncated_results_line_is_skipped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = json.dumps({"id": "a", "status": "ok"})
+    (tmp_path / sweep.RESULTS_FILE).write_text(good + "\n" + '{"id": "b", "sta')
+    assert [r["id"] for r in sweep.load_results(tmp_path)] == ["a"]
+    assert "line 2 is not a complete record" in capsys.readouterr().err
+    sweep._end_with_newline(tmp_path / sweep.RESULTS_FILE)
+    assert (tmp_path / sweep.RESULTS_FILE).read_text().endswith("\n")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"repeats": 10**9}, "repeats = 1000000000 exceeds the limit of 1000"),
+        ({"steps": 10**7}, "steps = 10000000 exceeds"),
+        ({"workers": [2, 4096]}, "workers = 4096 exceeds"),
+        ({"repeats": 1000, "workers": list(range(1, 21))}, "more than the limit of 10,000"),
+    ],
+)
+def test_experiment_bounds_are_checked_by_arithmetic(changes: dict, message: str) -> None:
+    started = time.perf_counter()
+    with pytest.raises(UserError, match=message):
+        check_bounds(Experiment(name="x", path="x.toml", **changes), "x.toml")
+    assert time.perf_counter() - started < 1.0  # nothing was allocated per cell
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+
+
+def test_a_stale_sidecar_is_ignored_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "checkpoint.safetensors"
+    save_checkpoint(path, {"param/w": torch.ones(2)}, {"model": "m", "step": 7})
+    sidecar_path(path).write_text(json.dumps({"model": "m", "step": 6}))
+    assert load_checkpoint(path).meta["step"] == 7
+    assert "stale" in capsys.readouterr().err
+
+
+def test_resume_names_a_setting_that_differs_and_refuses_server_strategies(
+    tmp_path: Path,
+) -> None:
+    meta = {"model": "mnist-cnn", "preset": "tiny", "seed": 0, "workers": 2, "dtype": "float64"}
+    config = TrainConfig(model="mnist-cnn", preset="tiny", workers=2, seed=1, dtype="float64")
+    assert meta_differences(meta, config) == ["seed 0, not 1"]
+    with pytest.raises(UserError, match="server ranks"):
+        check_resume(TrainConfig(strategy="ps", workers=2), tmp_path)
+    with pytest.raises(UserError, match="wrote no checkpoint"):
+        check_resume(TrainConfig(workers=2), tmp_path)
+
+
+def test_a_loss_that_is_not_finite_names_the_step() -> None:
+    check_loss(torch.tensor(2.5), 3, 0)
+    with pytest.raises(LossNotFinite, match="loss is inf at step 9 on rank 1"):
+        check_loss(torch.tensor(float("inf")), 9, 1)
+
+
+# ---------------------------------------------------------------- bad input before launch
+
+BAD_MODELS = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def _data():
+    return TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+
+def wrong_types():
+    return "model", _data(), 3
+
+def vector_loss():
+    return nn.Linear(4, 2), _data(), lambda out, t: nn.functional.cross_entropy(
+        out, t, reduction="none")
+
+def no_params():
+    return nn.ReLU(), _data(), lambda out, t: out.sum()
+
+def exits():
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        ("wrong_types", "with an nn.Module and a callable loss, got (str, TensorDataset, int)"),
+        ("vector_loss", "loss returned (2,), not a scalar tensor"),
+        ("no_params", "has no trainable parameters"),
+        ("exits", "called sys.exit(3) instead of returning"),
+    ],
+)
+def test_a_broken_user_model_is_one_line_before_launch(
+    function: str, message: str, tmp_path: Path
+) -> None:
+    from gradsync.jobs import validate
+
+    (tmp_path / "bad.py").write_text(BAD_MODELS)
+    config = TrainConfig(model=f"{tmp_path / 'bad.py'}:{function}", strategy="single")
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(config)
+
+
+def test_a_model_file_that_exits_on_import_is_one_line(tmp_path: Path) -> None:
+    from gradsync.jobs import validate
+
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(UserError, match=re.escape("called sys.exit(3) while being imported")):
+        validate(TrainConfig(model=f"{tmp_path / 'exits.py'}:build", strategy="single"))
+
+
+def test_mnist_files_with_zero_images_are_one_line(tmp_path: Path) -> None:
+    from gradsync.data.mnist import (
+        IMAGES_FILE,
+        IMAGES_MAGIC,
+        LABELS_FILE,
+        LABELS_MAGIC,
+        MNISTImages,
+    )
+
+    (tmp_path / IMAGES_FILE).write_bytes(struct.pack(">4I", IMAGES_MAGIC, 0, 28, 28))
+    (tmp_path / LABELS_FILE).write_bytes(struct.pack(">2I", LABELS_MAGIC, 0))
+    with pytest.raises(UserError, match="hold 0 images"):
+        MNISTImages(tmp_path, seed=0)
+
+
+def _step_events(step: int) -> list[dict]:
+    return [
+        {"ph": "B", "name": "STEP", "pid": 0, "tid": 0, "ts": step * 10, "args": {"step": step}},
+        {"ph": "E", "pid": 0, "tid": 0, "ts": step * 10 + 5},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("events", "step", "message"),
+    [
+        ([{"ph": "E", "pid": 0, "tid": 0, "ts": 1}], None, "ends a span that never began"),
+        ([{"ph": "B", "name": "X", "pid": 0, "tid": 0, "ts": 1}], None, "is never ended"),
+        ([{"ph": "B", "name": "STEP", "tid": 0, "ts": 1}], None, "has no numeric pid"),
+        (_step_events(0) + _step_events(1), 7, "--step 7 is not in"),
+    ],
+)
+def test_a_malformed_trace_is_one_line_and_writes_nothing(
+    events: list, step: int | None, message: str, tmp_path: Path
+) -> None:
+    from gradsync.cli import main
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(UserError, match=re.escape(message)):
+        from gradsync.trace_check import check_trace
+
+        check_trace(trace, step)
+    argv = ["timeline", "summarize", str(trace), *(["--step", str(step)] if step else [])]
+    assert main(argv) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # no summary written
