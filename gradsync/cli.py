@@ -122,6 +122,12 @@ def _add_model_options(
     comm.add_argument(
         "--fp16-compression", action="store_true", help="allreduce gradients as float16"
     )
+    comm.add_argument(
+        "--sparse-as-dense",
+        action="store_true",
+        help="densify sparse gradients into the fusion buffers (Horovod's sparse_as_dense) "
+        "instead of allgathering the rows each worker touched",
+    )
     ps = parser.add_argument_group("parameter servers (--strategy ps)")
     ps.add_argument(
         "--servers", type=int, help="dedicated server ranks after the workers (default 1)"
@@ -397,7 +403,9 @@ def _config(args: argparse.Namespace, **overrides: object):
         launch=launch,
         dtype=args.precision if hasattr(args, "precision") else args.dtype,
         allreduce=AllreduceConfig(
-            fusion_threshold_mb=args.fusion_threshold_mb, fp16_compression=args.fp16_compression
+            fusion_threshold_mb=args.fusion_threshold_mb,
+            fp16_compression=args.fp16_compression,
+            sparse_as_dense=args.sparse_as_dense,
         ),
         ddp=DDPConfig(find_unused_parameters=args.find_unused_parameters),
         ps=PSConfig(

@@ -41,10 +41,13 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AllreduceConfig:
-    """Horovod-style allreduce: fusion threshold (MB) and fp16 gradient compression."""
+    """Horovod-style allreduce: fusion threshold (MB), fp16 gradient compression, and
+    ``sparse_as_dense`` (Horovod's flag: densify sparse gradients into the fusion buffers
+    instead of allgathering their rows)."""
 
     fusion_threshold_mb: float = 64.0
     fp16_compression: bool = False
+    sparse_as_dense: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

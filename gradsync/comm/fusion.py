@@ -207,13 +207,19 @@ class FusedAllreduce:
             else:
                 param.grad.copy_(averaged)
 
+    def launch_remaining(self) -> None:
+        """Launch, in bucket order, the buckets backward did not complete (parameters that
+        got no gradient this step: zeros stand in). After it, every rank has issued the
+        same collectives in the same order."""
+        for bucket in self.buckets[self._next_launch :]:
+            self._queue(bucket)
+            self._launch(bucket)
+        self._next_launch = len(self.buckets)
+
     def finish(self) -> None:
         """Wait for every bucket, write averaged gradients into ``param.grad``, reset."""
         started = time.perf_counter()
-        for bucket in self.buckets[self._next_launch :]:
-            # Buckets with parameters that got no gradient this step: zeros stand in.
-            self._queue(bucket)
-            self._launch(bucket)
+        self.launch_remaining()
         self._next_launch = 0
         for bucket in self.buckets:
             with self.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor=bucket.name):

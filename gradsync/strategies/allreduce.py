@@ -2,15 +2,21 @@
 
 Gradient-ready hooks feed fusion buffers; each full buffer is allreduced asynchronously
 while backward continues; ``step`` waits, averages and updates. With fp16 compression the
-buffers travel as float16 (Horovod's ``Compression.fp16``).
+buffers travel as float16 (Horovod's ``Compression.fp16``). Sparse gradients (embeddings
+with ``sparse=True``) are allgathered as (indices, rows), as Horovod's DistributedOptimizer
+does, unless ``--sparse-as-dense`` densifies them into the fusion buffers.
 """
 
 from __future__ import annotations
 
+import time
+
 from torch import nn
 
 from gradsync.comm.fusion import FusedAllreduce
+from gradsync.comm.row_allgather import RowAllgather
 from gradsync.config import TrainConfig
+from gradsync.probe import sparse_lookup_weights
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 
 
@@ -25,6 +31,15 @@ class HorovodAllreduce(Strategy):
         broadcast_parameters(model, context.worker_group)
         options = context.config.allreduce
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        sparse = set() if options.sparse_as_dense else sparse_lookup_weights(model)
+        self.rows = RowAllgather(
+            [(name, p) for name, p in named if name in sparse],
+            group=context.worker_group,
+            world_size=context.num_workers,
+            stats=self.counters,
+            timeline=context.timeline,
+        )
+        named = [(name, p) for name, p in named if name not in sparse]
         self.fused = FusedAllreduce(
             [p for _, p in named],
             names=[name for name, _ in named],
@@ -41,7 +56,17 @@ class HorovodAllreduce(Strategy):
 
     def step(self) -> None:
         assert self.updater is not None
+        if self.rows.params:
+            # After the last bucket's launch, so every rank issues the same order.
+            self.fused.launch_remaining()
+            started = time.perf_counter()
+            self.rows.launch()
+            self.counters.exposed_comm_s += time.perf_counter() - started
         self.fused.finish()
+        if self.rows.params:
+            started = time.perf_counter()
+            self.rows.finish()
+            self.counters.exposed_comm_s += time.perf_counter() - started
         self.updater.update()
 
     def expected_difference(self, config: TrainConfig) -> str | None:

@@ -110,10 +110,31 @@ def test_sparse_adversary_matches_single(workdir: Path) -> None:
         "12",
         "--global-batch",
         "16",
-        strategies="allreduce,ps,ps:colocate,hybrid,hybrid:colocate,p3",
+        strategies="allreduce,allreduce:sparse_as_dense=true,ps,ps:colocate,hybrid,"
+        "hybrid:colocate,p3",
     )
     log = (workdir / "verify" / "hybrid-w2" / "stdout.log").read_text()
     assert "tied.weight [12×8]: dense" in log and "lookup.weight [12×8]: sparse" in log
+
+
+def test_sparse_lstm_allgather_and_sparse_as_dense_match_single(workdir: Path) -> None:
+    """lstm-lm with sparse embeddings and sampled softmax: allreduce allgathers the rows
+    (Horovod's default) or densifies them (--sparse-as-dense); ddp reduces them sparsely."""
+    _verify(
+        workdir,
+        "--model",
+        "lstm-lm",
+        "--preset",
+        "tiny",
+        "--model-option",
+        "sparse=true",
+        "--model-option",
+        "sampled_softmax=5",
+        "--steps",
+        "6",
+        strategies="ddp,allreduce,allreduce:sparse_as_dense=true",
+        workers=(2,),
+    )
 
 
 def test_adversarial_data_exercises_every_gating_case() -> None:

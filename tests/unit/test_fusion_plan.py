@@ -135,3 +135,19 @@ def test_comm_stats_accumulate_and_copy_is_independent():
     stats.exposed_comm_s += 1.5
     assert (snapshot.bytes_sent, snapshot.exposed_comm_s) == (700, 0.0)
     assert (stats.bytes_sent, stats.exposed_comm_s) == (1700, 1.5)
+
+
+def test_row_buffers_round_trip_several_variables() -> None:
+    from gradsync.comm.row_allgather import pack_rows, unpack_rows
+
+    rows = [
+        (torch.tensor([4, 9]), torch.arange(6, dtype=torch.float64).view(2, 3)),
+        (torch.tensor([], dtype=torch.long), torch.zeros(0, 1, dtype=torch.float64)),
+        (torch.tensor([0]), torch.full((1, 1), 7.0, dtype=torch.float64)),
+    ]
+    buffer = pack_rows(rows)
+    assert buffer.numel() == 2 * 8 + 6 * 8 + 0 + 1 * 8 + 1 * 8
+    padded = torch.cat([buffer, torch.zeros(5, dtype=torch.uint8)])  # allgather pads
+    back = unpack_rows(padded, [2, 0, 1], [3, 1, 1], torch.float64)
+    for (indices, values), (want_i, want_v) in zip(back, rows, strict=True):
+        assert torch.equal(indices, want_i) and torch.equal(values, want_v)
