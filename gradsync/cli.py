@@ -89,6 +89,14 @@ def _add_model_options(
         help="samples per step over all workers (default: the preset's)",
     )
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--batchnorm",
+        choices=["global", "local"],
+        default="global",
+        help="global (default): BatchNorm statistics over the global batch, as single "
+        "computes them; local: each worker normalizes its own shard (DDP's and Horovod's "
+        "default; verify reports it as an expected difference)",
+    )
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--optimizer", default="sgd", help="sgd | adam")
     optim.add_argument("--lr", type=float, help="learning rate (default: 0.05 sgd, 1e-3 adam)")
@@ -121,6 +129,12 @@ def _add_model_options(
     )
     comm.add_argument(
         "--fp16-compression", action="store_true", help="allreduce gradients as float16"
+    )
+    comm.add_argument(
+        "--first-bucket-mb",
+        type=float,
+        help="cap of the first bucket (the gradients backward produces first), so they "
+        "leave before a full buffer is ready, as DDP's 1 MB first bucket (default: none)",
     )
     comm.add_argument(
         "--sparse-as-dense",
@@ -397,6 +411,7 @@ def _config(args: argparse.Namespace, **overrides: object):
         steps=args.steps,
         global_batch=args.global_batch,
         seed=args.seed,
+        batchnorm=args.batchnorm,
         data=args.data,
         measure_warmup=args.measure_warmup,
         optim=optim,
@@ -404,6 +419,7 @@ def _config(args: argparse.Namespace, **overrides: object):
         dtype=args.precision if hasattr(args, "precision") else args.dtype,
         allreduce=AllreduceConfig(
             fusion_threshold_mb=args.fusion_threshold_mb,
+            first_bucket_mb=args.first_bucket_mb,
             fp16_compression=args.fp16_compression,
             sparse_as_dense=args.sparse_as_dense,
         ),

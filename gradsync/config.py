@@ -15,6 +15,7 @@ LrScaling = Literal["none", "linear", "sqrt"]
 OPTIMIZERS = ("sgd", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
 DTYPES = ("float32", "float64")
+BATCHNORM_MODES = ("global", "local")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3}
 
 
@@ -46,8 +47,13 @@ class AllreduceConfig:
     instead of allgathering their rows)."""
 
     fusion_threshold_mb: float = 64.0
+    first_bucket_mb: float | None = None  # caps the first bucket only (DDP: 1 MB)
     fp16_compression: bool = False
     sparse_as_dense: bool = False
+
+    @property
+    def first_bucket_bytes(self) -> int | None:
+        return None if self.first_bucket_mb is None else int(self.first_bucket_mb * 2**20)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,6 +272,7 @@ class TrainConfig:
     out: str = "runs/latest"
     deterministic: bool = False
     dtype: str = "float32"
+    batchnorm: str = "global"  # "local": each worker normalizes its own shard
     measure_warmup: int | None = None
     checkpoint_every: int = 0
     log_every: int | None = None
@@ -297,6 +304,11 @@ class TrainConfig:
                     f"{self.workers}; use a multiple of {self.workers} "
                     f"(e.g. {self.workers * max(1, self.global_batch // self.workers)})"
                 )
+        if self.batchnorm not in BATCHNORM_MODES:
+            raise UserError(
+                f"unknown --batchnorm '{self.batchnorm}'; choose global (statistics over the "
+                "global batch, as single) or local (each worker's shard, as DDP and Horovod)"
+            )
         if self.dtype not in DTYPES:
             raise UserError(
                 f"unknown --dtype '{self.dtype}'; choose one of: {', '.join(DTYPES)} "
@@ -327,6 +339,9 @@ class TrainConfig:
             raise UserError(
                 f"--fusion-threshold-mb must be >= 0, got {self.allreduce.fusion_threshold_mb}"
             )
+        first = self.allreduce.first_bucket_mb
+        if first is not None and first <= 0:
+            raise UserError(f"--first-bucket-mb must be > 0, got {first} (e.g. 1, as DDP)")
         if self.strategy == "ps":
             self.ps.check(self.workers)
         if self.strategy == "p3":

@@ -45,6 +45,7 @@ class HorovodAllreduce(Strategy):
             names=[name for name, _ in named],
             timeline=context.timeline,
             threshold_bytes=int(options.fusion_threshold_mb * 2**20),
+            first_bucket_bytes=options.first_bucket_bytes,
             group=context.worker_group,
             world_size=context.num_workers,
             stats=self.counters,

@@ -326,6 +326,7 @@ class Hybrid(Strategy):
             names=[n for n, _ in dense],
             timeline=context.timeline,
             threshold_bytes=int(options.fusion_threshold_mb * 2**20),
+            first_bucket_bytes=options.first_bucket_bytes,
             group=context.worker_group,
             world_size=context.num_workers,
             stats=self.counters,

@@ -151,3 +151,19 @@ def test_row_buffers_round_trip_several_variables() -> None:
     back = unpack_rows(padded, [2, 0, 1], [3, 1, 1], torch.float64)
     for (indices, values), (want_i, want_v) in zip(back, rows, strict=True):
         assert torch.equal(indices, want_i) and torch.equal(values, want_v)
+
+
+def test_first_bucket_cap_applies_to_the_first_bucket_only() -> None:
+    # Ten 10-float parameters (40 bytes each); backward produces the last first.
+    params = _params(*[10] * 10)
+    assert plan_buckets(params, threshold_bytes=160, first_bucket_bytes=40) == [
+        [9],
+        [8, 7, 6, 5],
+        [4, 3, 2, 1],
+        [0],
+    ]
+    # A first parameter above the cap still travels, alone.
+    assert plan_buckets(_params(4, 100, 50), threshold_bytes=1000, first_bucket_bytes=8) == [
+        [2],
+        [1, 0],
+    ]
