@@ -147,6 +147,9 @@ def _train_and_record(
         "lr": lr,
         "deterministic": config.deterministic,
         "dtype": config.dtype,
+        "batchnorm": config.batchnorm,
+        "data": config.data,
+        "threads": threads,
     }
 
     def on_step(record: StepRecord) -> None:
