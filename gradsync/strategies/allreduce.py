@@ -7,11 +7,24 @@ buffers travel as float16 (Horovod's ``Compression.fp16``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.config import TrainConfig
+from gradsync.options import StrategyOptions, option
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllreduceOptions(StrategyOptions):
+    """Horovod's fusion buffer and gradient compression."""
+
+    fusion_threshold_mb: float = option(
+        64.0, help="fusion buffer size in MB; 0 disables fusion", metavar="MB", at_least=0
+    )
+    fp16_compression: bool = option(False, help="allreduce gradients as float16")
 
 
 class HorovodAllreduce(Strategy):
@@ -19,11 +32,12 @@ class HorovodAllreduce(Strategy):
 
     name = "allreduce"
     summary = "Horovod: gradient hooks, fusion buffers, async ring allreduce"
+    Options = AllreduceOptions
 
     def setup(self, model: nn.Module, context: Context) -> nn.Module:
         self.context, self.model = context, model
         broadcast_parameters(model, context.worker_group)
-        options = context.config.allreduce
+        options = context.config.strategy_options
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.fused = FusedAllreduce(
             [p for _, p in named],
@@ -45,6 +59,6 @@ class HorovodAllreduce(Strategy):
         self.updater.update()
 
     def expected_difference(self, config: TrainConfig) -> str | None:
-        if config.allreduce.fp16_compression:
+        if config.strategy_options.fp16_compression:
             return "fp16 compression rounds every gradient to half precision"
         return None
