@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -12,6 +11,7 @@ from typing import NoReturn
 
 from gradsync import __version__
 from gradsync.errors import JobFailed, UserError
+from gradsync.options import add_option_flags
 
 EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR = 0, 1, 2
 
@@ -102,7 +102,9 @@ def _add_model_options(
     optim.add_argument("--lr", type=float, help="learning rate (default: 0.05 sgd, 1e-3 adam)")
     optim.add_argument("--momentum", type=float, default=0.9)
     optim.add_argument("--weight-decay", type=float, default=0.0)
-    optim.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    optim.add_argument(
+        "--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up (steps)"
+    )
     optim.add_argument(
         "--lr-scaling",
         default="none",
@@ -113,116 +115,10 @@ def _add_model_options(
         type=_positive_int,
         help="batch size --lr was tuned for (default: the preset's)",
     )
-    ddp = parser.add_argument_group("DDP (--strategy ddp)")
-    ddp.add_argument(
-        "--find-unused-parameters",
-        action="store_true",
-        help="torch DDP's flag of that name (default: turned on automatically when a "
-        "parameter gets no gradient on some worker in the first step)",
-    )
-    comm = parser.add_argument_group("allreduce")
-    comm.add_argument(
-        "--fusion-threshold-mb",
-        type=float,
-        default=64.0,
-        help="fusion buffer size in MB; 0 disables fusion",
-    )
-    comm.add_argument(
-        "--fp16-compression", action="store_true", help="allreduce gradients as float16"
-    )
-    comm.add_argument(
-        "--first-bucket-mb",
-        type=float,
-        help="cap of the first bucket (the gradients backward produces first), so they "
-        "leave before a full buffer is ready, as DDP's 1 MB first bucket (default: none)",
-    )
-    comm.add_argument(
-        "--sparse-as-dense",
-        action="store_true",
-        help="densify sparse gradients into the fusion buffers (Horovod's sparse_as_dense) "
-        "instead of allgathering the rows each worker touched",
-    )
-    ps = parser.add_argument_group("parameter servers (--strategy ps)")
-    ps.add_argument(
-        "--servers", type=int, help="dedicated server ranks after the workers (default 1)"
-    )
-    ps.add_argument(
-        "--colocate", action="store_true", help="every worker also serves a shard (no extra ranks)"
-    )
-    ps.add_argument(
-        "--async",
-        dest="async_updates",
-        action="store_true",
-        help="apply each push on arrival (TF 1.x asynchronous training)",
-    )
-    ps.add_argument(
-        "--staleness",
-        type=int,
-        metavar="K",
-        help="asynchronous, but no worker more than K steps ahead of the slowest (SSP)",
-    )
-    ps.add_argument("--placement", default="greedy", help="greedy (size-balanced) | round-robin")
-    ps.add_argument(
-        "--partition-threshold-mb",
-        type=float,
-        default=4.0,
-        help="variables larger than this are split across servers",
-    )
-    hybrid = parser.add_argument_group(
-        "hybrid (--strategy hybrid; --servers and --colocate place its sparse servers)"
-    )
-    hybrid.add_argument(
-        "--partitions",
-        type=_positive_int,
-        metavar="P",
-        help="row partitions per sparse variable (default: chosen by a cost model)",
-    )
-    hybrid.add_argument(
-        "--average-sparse",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="average the workers' sparse gradients (--no-average-sparse: sum them)",
-    )
-    hybrid.add_argument(
-        "--no-local-aggregation",
-        dest="local_aggregation",
-        action="store_false",
-        help="push every worker's sparse gradients (default: summed per node first)",
-    )
-    hybrid.add_argument(
-        "--sparse-pattern",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="treat matching variables as sparse (glob, or re:REGEX; repeatable)",
-    )
-    hybrid.add_argument(
-        "--dense-pattern",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="treat matching variables as dense (allreduce); wins over --sparse-pattern",
-    )
-    p3 = parser.add_argument_group("P3 (--strategy p3; --servers sets its servers)")
-    p3.add_argument(
-        "--slice-size",
-        type=_positive_int,
-        default=40_000,
-        metavar="N",
-        help="values per parameter slice (default 40000, MXNet P3's)",
-    )
-    p3.add_argument(
-        "--no-priority",
-        dest="priority",
-        action="store_false",
-        help="send slices in arrival order (FIFO) instead of layer order",
-    )
-    p3.add_argument(
-        "--no-slicing",
-        dest="slicing",
-        action="store_false",
-        help="send whole variables instead of slices",
-    )
+    from gradsync.strategies import STRATEGIES, load_plugins
+
+    load_plugins()
+    add_option_flags(parser, {name: cls.Options for name, cls in STRATEGIES.items()})
     run = parser.add_argument_group("launch and measurement")
     run.add_argument(
         "--threads",
@@ -371,16 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, **overrides: object):
-    from gradsync.config import (
-        AllreduceConfig,
-        DDPConfig,
-        HybridConfig,
-        LaunchConfig,
-        OptimConfig,
-        P3Config,
-        PSConfig,
-        TrainConfig,
-    )
+    """The TrainConfig of the command line; ``overrides`` set what the command decides."""
+    from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
 
     launch = LaunchConfig(
         num_nodes=getattr(args, "nnodes", 1),
@@ -400,11 +288,11 @@ def _config(args: argparse.Namespace, **overrides: object):
         lr=args.lr,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
+        lr_warmup_steps=args.lr_warmup_steps,
         lr_scaling=args.lr_scaling,
         lr_base_batch=args.lr_base_batch,
     )
-    fields = dict(
+    fields: dict[str, object] = dict(
         model=args.model,
         preset=args.preset,
         model_options=dict(args.model_option),
@@ -417,49 +305,20 @@ def _config(args: argparse.Namespace, **overrides: object):
         optim=optim,
         launch=launch,
         dtype=args.precision if hasattr(args, "precision") else args.dtype,
-        allreduce=AllreduceConfig(
-            fusion_threshold_mb=args.fusion_threshold_mb,
-            first_bucket_mb=args.first_bucket_mb,
-            fp16_compression=args.fp16_compression,
-            sparse_as_dense=args.sparse_as_dense,
-        ),
-        ddp=DDPConfig(find_unused_parameters=args.find_unused_parameters),
-        ps=PSConfig(
-            servers=args.servers,
-            colocate=args.colocate,
-            async_updates=args.async_updates,
-            staleness=args.staleness,
-            placement=args.placement,
-            partition_threshold_mb=args.partition_threshold_mb,
-        ),
     )
     fields.update(overrides)
-    # --servers/--colocate place the hybrid's servers too; verify cells keep their own.
-    fields["hybrid"] = HybridConfig(
-        servers=args.servers,
-        colocate=args.colocate,
-        partitions=getattr(args, "partitions", None),
-        average_sparse=getattr(args, "average_sparse", True),
-        local_aggregation=getattr(args, "local_aggregation", True),
-        sparse_patterns=tuple(getattr(args, "sparse_pattern", [])),
-        dense_patterns=tuple(getattr(args, "dense_pattern", [])),
-    )
-    if fields.get("strategy") == "hybrid":
-        fields["ps"] = dataclasses.replace(fields["ps"], servers=None, colocate=False)
-    elif "strategy" in fields:
-        fields["hybrid"] = dataclasses.replace(fields["hybrid"], servers=None, colocate=False)
-    # --servers places p3's servers too (and then not the ps's); verify cells keep their own.
-    fields["p3"] = P3Config(
-        servers=args.servers,
-        slice_size=getattr(args, "slice_size", 40_000),
-        priority=getattr(args, "priority", True),
-        slicing=getattr(args, "slicing", True),
-    )
-    if fields.get("strategy") == "p3":
-        fields["ps"] = dataclasses.replace(fields["ps"], servers=None)
-    elif "strategy" in fields:
-        fields["p3"] = dataclasses.replace(fields["p3"], servers=None)
     return TrainConfig(**fields)  # type: ignore[arg-type]
+
+
+def _strategy_options(strategy: str, args: argparse.Namespace):
+    """``train``'s strategy options from the flags given; a flag of another strategy is an
+    error naming the strategies that take it."""
+    from gradsync.options import given_options, options_for
+    from gradsync.strategies import STRATEGIES, strategy_class
+
+    strategy_class(strategy)  # unknown names: one line listing the choices
+    owners = {name: cls.Options for name, cls in STRATEGIES.items()}
+    return options_for(strategy, owners, given_options(args))
 
 
 def _timestamped(prefix: str) -> str:
@@ -477,6 +336,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_slurm_step()  # a batch script's `gradsync train` without srun
     common = dict(
         strategy=args.strategy,
+        strategy_options=_strategy_options(args.strategy, args),
         out=args.out or _timestamped(f"train-{args.strategy}"),
         deterministic=args.deterministic,
         checkpoint_every=args.checkpoint_every,
@@ -511,26 +371,32 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from gradsync.options import given_options
     from gradsync.strategies import STRATEGIES
-    from gradsync.verify import deterministic_notice, report_verify, run_matrix
+    from gradsync.verify import check_cells, deterministic_notice, report_verify, run_matrix
 
     strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
-    config = _config(args, deterministic=True, workers=1)
+    given = given_options(args)
+    config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("verify"))
+    check_cells(config, strategies, given, out)
     print(deterministic_notice(config))
-    outcomes = run_matrix(config, strategies, args.workers, out)
+    outcomes = run_matrix(config, strategies, args.workers, out, given=given)
     report_verify(outcomes, out)
     return EXIT_DIFFERS if any(o.failed for o in outcomes) else EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from gradsync.options import given_options
     from gradsync.strategies import STRATEGIES
-    from gradsync.verify import deterministic_notice, report_demo, run_matrix
+    from gradsync.verify import check_cells, deterministic_notice, report_demo, run_matrix
 
-    config = _config(args, deterministic=True, workers=1)
+    given = given_options(args)
+    config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("demo"))
+    check_cells(config, list(STRATEGIES), given, out)
     print(deterministic_notice(config))
-    outcomes = run_matrix(config, list(STRATEGIES), [args.workers], out)
+    outcomes = run_matrix(config, list(STRATEGIES), [args.workers], out, given=given)
     title = (
         f"gradsync demo: {config.model} ({config.preset}), {args.workers} workers, "
         f"{config.steps} steps, synthetic data"

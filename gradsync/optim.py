@@ -52,7 +52,7 @@ class Updater:
             )
         else:
             self.optimizer = torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
-        warmup = config.warmup_steps
+        warmup = config.lr_warmup_steps
         # Gradual warm-up (Goyal et al. 2017, §2.2): ramp linearly over the first steps.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0

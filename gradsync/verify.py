@@ -31,20 +31,21 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gradsync.checkpoint import Checkpoint, atomic_write_text, load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
-from gradsync.config import DDPConfig, HybridConfig, P3Config, PSConfig, TrainConfig
+from gradsync.config import TrainConfig
 from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
+from gradsync.options import field_names, parse_texts
 from gradsync.runtime import CHECKPOINT_FILE
 from gradsync.stats import Throughput
-from gradsync.strategies import strategy_class
+from gradsync.strategies import options_class, strategy_class
 from gradsync.tables import markdown_table, print_table
 from gradsync.topology import default_threads
 
@@ -104,20 +105,22 @@ def run_matrix(
     workers: Sequence[int],
     out: Path,
     *,
+    given: Mapping[str, Any] | None = None,
     log: bool = True,
 ) -> list[Outcome]:
     """Run ``single`` once and each strategy at each worker count; compare parameters.
 
     A cell whose job fails becomes a ``crashed`` row with its one-line reason; the others
     still run (if ``single`` itself fails there is nothing to compare with, and it is the
-    only row).
+    only row). ``given``: strategy options from the command line, for the strategies that
+    take them.
 
     Example:
         >>> # run_matrix(TrainConfig(model="mnist-cnn", preset="tiny", steps=20),
         >>> #            ["ddp", "allreduce"], [2, 4], Path("runs/verify"))
     """
     cells = [(REFERENCE, 1)] + [(s, w) for w in workers for s in strategies if s != REFERENCE]
-    configs = [cell_config(base, s, w, out) for s, w in cells]
+    configs = [cell_config(base, s, w, out, given) for s, w in cells]
     labels = {config.out: spec for config, (spec, _) in zip(configs, cells, strict=True)}
     for config in configs:
         validate(config)  # every cell is checked before the first one runs
@@ -256,55 +259,49 @@ def reference_spread(reference_config: TrainConfig, reference: Checkpoint, out: 
     return worst(diff_checkpoints(reference, checkpoint, include_optimizer=False)).max_abs
 
 
-def cell_config(base: TrainConfig, spec: str, workers: int, out: Path) -> TrainConfig:
+def cell_config(
+    base: TrainConfig,
+    spec: str,
+    workers: int,
+    out: Path,
+    given: Mapping[str, Any] | None = None,
+) -> TrainConfig:
     """The config of one verify cell. ``spec`` is a strategy name, optionally with options
-    for its config section: ``ps:servers=2``, ``ps:colocate``, ``ps:async:staleness=2``.
+    after colons (``ps:servers=2``, ``ps:colocate``, ``ps:async:staleness=2``); ``given``
+    holds options from the command line, applied to the strategies that take them.
 
     Example:
-        >>> cell_config(TrainConfig(), "ps:servers=2:colocate=false", 4, Path("v")).ps.servers
+        >>> config = cell_config(TrainConfig(), "ps:servers=2:colocate=false", 4, Path("v"))
+        >>> config.strategy_options.servers
         2
     """
-    name, *options = spec.split(":")
-    changes: dict[str, Any] = {}
-    if name != "ddp":
-        changes["ddp"] = DDPConfig()  # --find-unused-parameters applies to the ddp cells
-    if name != "ps":
-        changes["ps"] = PSConfig()  # ps flags given to verify apply to the ps cells only
-    if name != "hybrid":
-        changes["hybrid"] = HybridConfig()  # so do the hybrid's (--servers, --partitions …)
-    if name != "p3":
-        changes["p3"] = P3Config()  # and p3's (--servers, --slice-size …)
-    section = getattr(base, name, None)
-    if options:
-        if not dataclasses.is_dataclass(section):
-            raise UserError(f"strategy '{name}' takes no options (got '{spec}')")
-        values = {}
-        for option in options:
-            key, _, text = option.partition("=")
-            key = {"async": "async_updates"}.get(key, key).replace("-", "_")
-            fields = {f.name: f for f in dataclasses.fields(section)}
-            if key not in fields:
-                raise UserError(
-                    f"unknown option '{key}' in '{spec}'; {name} takes: {', '.join(fields)}"
-                )
-            values[key] = _option_value(getattr(section, key), text, spec)
-        changes[name] = dataclasses.replace(section, **values)
+    name, *variant = spec.split(":")
+    cls = options_class(name)
+    values = {key: value for key, value in (given or {}).items() if key in field_names(cls)}
+    try:
+        values.update(parse_texts(cls, dict(part.partition("=")[::2] for part in variant)))
+        options = cls(**values)
+    except UserError as error:
+        raise UserError(f"'{spec}': {error}") from None
     label = spec.replace(":", "-").replace("=", "")
     cell_out = str(out / f"{label}-w{workers}")
-    return base.replace(strategy=name, workers=workers, out=cell_out, **changes)
+    return base.replace(strategy=name, strategy_options=options, workers=workers, out=cell_out)
 
 
-def _option_value(current: Any, text: str, spec: str) -> Any:
-    if isinstance(current, bool) or (current is None and text == ""):
-        return text.lower() in ("", "1", "true", "yes", "on")
-    try:
-        if isinstance(current, int) or current is None:
-            return int(text)
-        if isinstance(current, float):
-            return float(text)
-    except ValueError:
-        raise UserError(f"'{text}' in '{spec}' is not a number") from None
-    return text
+def check_cells(
+    base: TrainConfig, strategies: Sequence[str], given: Mapping[str, Any], out: Path
+) -> None:
+    """UserError, before any job, for a bad strategy spec or a command-line option that
+    none of ``strategies`` takes."""
+    for spec in strategies:
+        cell_config(base, spec, 1 if spec == REFERENCE else 2, out, given)
+    taken = {key for spec in strategies for key in field_names(options_class(spec.split(":")[0]))}
+    if unused := sorted(set(given) - taken):
+        names = ", ".join("--" + key.replace("_", "-") for key in unused)
+        raise UserError(
+            f"{names}: no strategy in this run takes it ({', '.join(strategies)}); drop it or "
+            "add a strategy that does"
+        )
 
 
 def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[str, str]:

@@ -60,8 +60,9 @@ class Row:
 
 
 def _cell(record: dict[str, Any]) -> Cell:
-    fields = Cell.__dataclass_fields__
-    return Cell(**{k: v for k, v in record.items() if k in fields})
+    fields = {k: v for k, v in record.items() if k in Cell.__dataclass_fields__}
+    fields["options"] = tuple(tuple(pair) for pair in fields.get("options", ()))  # JSON lists
+    return Cell(**fields)
 
 
 def analyse(experiment: Experiment, records: list[dict[str, Any]], out: Path) -> list[Row]:

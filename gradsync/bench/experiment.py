@@ -9,12 +9,18 @@ Example file::
     steps = 30
     repeats = 3
 
+    [sweep]                                   # any strategy option, one column each
+    allreduce.fusion_threshold_mb = [1, 4, 25, 64]
+
 Every key is listed in :data:`KEYS` with what it holds; a cell of the matrix is one job.
+Strategy options are the fields of each strategy's ``Options`` (``gradsync train --help``
+lists them): ``[options.STRATEGY]`` fixes them, ``[sweep.STRATEGY]`` lists values to sweep.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +29,13 @@ from typing import Any
 from gradsync.config import LR_SCALINGS, OPTIMIZERS
 from gradsync.errors import UserError
 from gradsync.models import check_model
-from gradsync.strategies import STRATEGIES, strategy_class
-from gradsync.strategies.base import Strategy
+from gradsync.options import field_names, options_from_mapping
+from gradsync.strategies import STRATEGIES, options_class
 
+MAX_REPEATS = 100
+MAX_STEPS = 1_000_000
+MAX_CELLS = 10_000
+RENAMED = {"warmup_steps": "measure_warmup"}
 KEYS: dict[str, str] = {
     "name": "experiment name (string)",
     "description": "what the experiment asks (string)",
@@ -35,7 +45,9 @@ KEYS: dict[str, str] = {
     "data": "path of real data (string)",
     "strategies": "registered strategies (list)",
     "workers": "worker counts (list of positive integers)",
-    "servers": "server counts for strategies with servers (list of positive integers)",
+    "servers": "server counts, swept for every strategy that takes servers (list)",
+    "options": "per strategy: fixed options, e.g. [options.p3] slice_size = 20000",
+    "sweep": "per strategy: option values to sweep, e.g. [sweep.p3] slice_size = [10000, 40000]",
     "global_batch": "global batch sizes (list of positive integers)",
     "batch_per_worker": "per-worker batch sizes; global batch = this × workers (list)",
     "threads": "intra-op threads per rank (list of positive integers)",
@@ -46,9 +58,9 @@ KEYS: dict[str, str] = {
     "optimizer": "sgd | adam",
     "lr": "learning rate (number)",
     "lr_warmup_steps": "linear learning-rate warm-up steps (integer)",
-    "steps": "steps per job (positive integer)",
-    "warmup_steps": "steps left out of throughput (integer; default 10%, at least 5)",
-    "repeats": "repeats of every cell (positive integer)",
+    "steps": f"steps per job (positive integer, at most {MAX_STEPS:,})",
+    "measure_warmup": "steps left out of throughput (integer; default 10%, at least 5)",
+    "repeats": f"repeats of every cell (positive integer, at most {MAX_REPEATS})",
     "seed": "seed (integer)",
     "verify": "compare every cell with a single-process reference (true/false)",
     "published_gain": (
@@ -65,7 +77,7 @@ class Cell:
     model: str
     strategy: str
     workers: int
-    servers: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()  # the strategy's options that are set
     global_batch: int | None = None
     threads: int | None = None
     interop_threads: int | None = None
@@ -83,8 +95,8 @@ class Cell:
             self.strategy,
             f"w{self.workers}",
         ]
+        parts += [f"{key}{value}" for key, value in self.options]
         for label, value in (
-            ("s", self.servers),
             ("b", self.global_batch),
             ("t", self.threads),
             ("i", self.interop_threads),
@@ -97,13 +109,17 @@ class Cell:
         parts.append(f"r{self.repeat}")
         return "-".join(parts)
 
+    def option(self, name: str) -> Any:
+        """The value of strategy option ``name`` in this cell, or None when not set."""
+        return dict(self.options).get(name)
+
     def group(self) -> tuple[Any, ...]:
         """Cells that differ only by repeat belong together."""
         return (
             self.model,
             self.strategy,
             self.workers,
-            self.servers,
+            self.options,
             self.global_batch,
             self.threads,
             self.interop_threads,
@@ -139,7 +155,8 @@ class Experiment:
     data: str | None = None
     strategies: list[str] = field(default_factory=lambda: ["ddp", "allreduce"])
     workers: list[int] = field(default_factory=lambda: [2])
-    servers: list[int] = field(default_factory=lambda: [1])
+    servers: list[int] | None = None
+    options: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     global_batch: list[int | None] = field(default_factory=lambda: [None])
     batch_per_worker: list[int] | None = None
     threads: list[int | None] = field(default_factory=lambda: [None])
@@ -151,7 +168,7 @@ class Experiment:
     lr: float | None = None
     lr_warmup_steps: int = 0
     steps: int = 30
-    warmup_steps: int | None = None
+    measure_warmup: int | None = None
     repeats: int = 1
     seed: int = 0
     verify: bool = False
@@ -185,13 +202,13 @@ class Experiment:
                 continue
             if self.batch_per_worker:
                 batch = batch * workers  # type: ignore[operator]
-            for servers in self.servers if has_servers(strategy) else [None]:
+            for options in self.option_values(strategy):
                 measured.append(
                     Cell(
                         model=model,
                         strategy=strategy,
                         workers=workers,
-                        servers=servers,
+                        options=options,
                         global_batch=batch,
                         threads=threads,
                         interop_threads=interop,
@@ -215,12 +232,23 @@ class Experiment:
                 references.append(Cell(**common, threads=1, role="reference-rerun"))
         return references + measured
 
+    def option_values(self, strategy: str) -> list[tuple[tuple[str, Any], ...]]:
+        """Every combination of ``strategy``'s fixed and swept options (one empty one if none)."""
+        values = dict(self.options.get(strategy, {}))
+        if self.servers is not None and "servers" in field_names(options_class(strategy)):
+            values.setdefault("servers", self.servers)
+        names = sorted(values)
+        combos = itertools.product(*(values[name] for name in names))
+        return [tuple(zip(names, combo, strict=True)) for combo in combos]
 
-def has_servers(strategy: str) -> bool:
-    """Whether a strategy takes server ranks (it overrides ``num_server_ranks``)."""
-    return strategy_class(strategy).num_server_ranks.__func__ is not (  # type: ignore[attr-defined]
-        Strategy.num_server_ranks.__func__  # type: ignore[attr-defined]
-    )
+    def swept_options(self) -> list[str]:
+        """Option names that take more than one value in some strategy (report columns)."""
+        names = {
+            name for values in self.options.values() for name, v in values.items() if len(v) > 1
+        }
+        if self.servers is not None and len(self.servers) > 1:
+            names.add("servers")
+        return sorted(names)
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -237,8 +265,15 @@ def load_experiment(path: str | Path) -> Experiment:
         raise UserError(f"{path} is not valid TOML: {error}") from None
     where = f"experiment {path}"
     for key in raw:
+        if key in RENAMED:
+            raise UserError(f"{where}: key '{key}' is now '{RENAMED[key]}'; rename it")
         if key not in KEYS:
             raise UserError(f"{where}: unknown key '{key}'; allowed keys: {', '.join(KEYS)}")
+    if "models" not in raw:
+        raise UserError(
+            f'{where}: names no models; add e.g. models = ["transformer"] '
+            "(strategies default to ddp and allreduce)"
+        )
     values: dict[str, Any] = {"name": str(raw.get("name", path.stem)), "path": str(path)}
     if "model" in raw:
         raise UserError(f"{where}: unknown key 'model'; use models = [\"...\"]")
@@ -260,7 +295,10 @@ def load_experiment(path: str | Path) -> Experiment:
     for key in ("steps", "repeats", "hosts"):
         if key in raw:
             values[key] = _positive_ints([raw[key]], key, where)[0]
-    for key in ("warmup_steps", "lr_warmup_steps", "seed"):
+    for key, most in (("steps", MAX_STEPS), ("repeats", MAX_REPEATS)):
+        if values.get(key, 0) > most:
+            raise UserError(f"{where}: {key} = {values[key]} is above the limit of {most:,}")
+    for key in ("measure_warmup", "lr_warmup_steps", "seed"):
         if key in raw:
             if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 0:
                 raise UserError(f"{where}: {key} must be a non-negative integer, got {raw[key]!r}")
@@ -269,9 +307,10 @@ def load_experiment(path: str | Path) -> Experiment:
         if key in raw:
             values[key] = str(raw[key])
     if "lr" in raw:
-        if not isinstance(raw["lr"], int | float) or raw["lr"] <= 0:
-            raise UserError(f"{where}: lr must be a positive number, got {raw['lr']!r}")
-        values["lr"] = float(raw["lr"])
+        lr = raw["lr"]
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < math.inf:
+            raise UserError(f"{where}: lr must be a finite number > 0, got {lr!r}")
+        values["lr"] = float(lr)
     if "verify" in raw:
         if not isinstance(raw["verify"], bool):
             raise UserError(f"{where}: verify must be true or false, got {raw['verify']!r}")
@@ -280,10 +319,13 @@ def load_experiment(path: str | Path) -> Experiment:
         values["model_options"] = _model_options(raw["model_options"], where)
     if "published_gain" in raw:
         values["published_gain"] = _published_gain(raw["published_gain"], where)
+    values["options"] = _strategy_options(raw.get("options", {}), raw.get("sweep", {}), where)
     if "batch_per_worker" in values and "global_batch" in values:
         raise UserError(f"{where}: give global_batch or batch_per_worker, not both")
     experiment = Experiment(**values)
     _check_names(experiment, where)
+    if (cells := len(experiment.cells())) > MAX_CELLS:
+        raise UserError(f"{where}: {cells:,} cells is above the limit of {MAX_CELLS:,}")
     return experiment
 
 
@@ -302,6 +344,34 @@ def _positive_ints(value: Any, key: str, where: str) -> list[int]:
     if not ok:
         raise UserError(f"{where}: {key} must be a list of positive integers, got {value!r}")
     return value
+
+
+def _strategy_options(fixed: Any, sweep: Any, where: str) -> dict[str, dict[str, list[Any]]]:
+    """``[options.S]`` (one value each) and ``[sweep.S]`` (lists) as value lists per option,
+    each value checked against strategy S's options class."""
+    merged: dict[str, dict[str, list[Any]]] = {}
+    for table, name, lists in ((fixed, "options", False), (sweep, "sweep", True)):
+        if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+            raise UserError(
+                f"{where}: {name} must be a table per strategy, e.g. [{name}.p3] slice_size = "
+                + ("[10000, 40000]" if lists else "20000")
+            )
+        for strategy, options in table.items():
+            if strategy not in STRATEGIES:
+                raise UserError(f"{where}: {name}.{strategy}: unknown strategy '{strategy}'")
+            cls = options_class(strategy)
+            for key, value in options.items():
+                if lists and (not isinstance(value, list) or not value):
+                    raise UserError(
+                        f"{where}: sweep.{strategy}.{key} must be a non-empty list, got {value!r}"
+                    )
+                candidates = value if lists else [value]
+                for candidate in candidates:  # each value must make valid options
+                    options_from_mapping(cls, {key: candidate}, where=f"{where}: {strategy}")
+                if key in merged.get(strategy, {}):
+                    raise UserError(f"{where}: {strategy}.{key} is both fixed and swept")
+                merged.setdefault(strategy, {})[key] = list(candidates)
+    return merged
 
 
 def _model_options(value: Any, where: str) -> dict[str, dict[str, str]]:

@@ -2,9 +2,9 @@
 
 Per model: one table (throughput with its range and spread, speedup, scaling efficiency,
 bytes per step, exposed communication, correctness against ``single``), a paragraph that
-reads it (who wins, by how much, and whether the ranges make the call uncertain), and four
+reads it (who wins, by how much, and whether the ranges make the call uncertain), and
 plots: throughput by strategy, scaling with the ideal line, speedup vs bandwidth, loss vs
-step.
+step, and throughput against every strategy option the experiment sweeps.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from gradsync.bench.analysis import Row, analyse
 from gradsync.bench.experiment import PublishedGain, load_experiment
@@ -25,7 +26,7 @@ REPORT_FILE = "report.md"
 HEADERS = [
     "strategy",
     "workers",
-    "servers",
+    "options",
     "batch",
     "threads",
     "inter-op",
@@ -70,7 +71,7 @@ def write_report(out: Path) -> Path:
             "",
         ]
         lines += [reading(mine) + _cores_caveat(mine, records), ""]
-        for kind, path in _plots(out, model, mine, experiment.strategies).items():
+        for kind, path in _plots(out, model, mine, experiment.swept_options()).items():
             lines += [f"![{kind}]({path.relative_to(out)})", ""]
     if experiment.published_gain is not None and rows:
         lines += gain_section(experiment.published_gain, rows)
@@ -130,7 +131,7 @@ def _cells(row: Row) -> list[str]:
     return [
         cell.strategy,
         str(cell.workers),
-        _dash(cell.servers),
+        ", ".join(f"{key}={value}" for key, value in cell.options) or "-",
         _dash(cell.global_batch),
         _dash(cell.threads),
         _dash(cell.interop_threads),
@@ -316,15 +317,13 @@ def _gain_plot(out: Path, published: PublishedGain, rows: list[Row]) -> Path:
 
 
 def _label(row: Row) -> str:
-    servers = (
-        f" ({row.cell.servers} server{'s' if (row.cell.servers or 0) > 1 else ''})"
-        if row.cell.servers
-        else ""
-    )
-    return f"`{row.cell.strategy}`{servers}"
+    options = ", ".join(f"{key}={value}" for key, value in row.cell.options)
+    return f"`{row.cell.strategy}`" + (f" ({options})" if options else "")
 
 
-def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str, Path]:
+def _plots(out: Path, model: str, rows: list[Row], swept: list[str]) -> dict[str, Path]:
+    """The model's plots: throughput by strategy, scaling, speedup vs bandwidth, loss, and
+    throughput vs each swept strategy option."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,11 +334,28 @@ def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str
     slug = model.replace("/", "_").replace(":", "_").replace(".", "_")
     series: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
-        series[_label(row).strip("`").replace("` ", " ")].append(row)
-    workers = sorted({row.cell.workers for row in rows})
+        series[_label(row).replace("`", "")].append(row)
+    drawings = {
+        "throughput by strategy": ("throughput", _throughput_bars),
+        "scaling": ("scaling", _scaling_lines),
+        "speedup vs bandwidth": ("bandwidth", _bandwidth_lines),
+        "loss vs step": ("loss", _loss_lines),
+    }
     paths = {}
+    for kind, (name, draw) in drawings.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        draw(ax, model, series)
+        paths[kind] = _save(fig, directory / f"{slug}-{name}.png", plt)
+    for option in swept:
+        if any(row.cell.option(option) is not None for row in rows):
+            fig, ax = plt.subplots(figsize=(7, 4))
+            _option_lines(ax, model, rows, option)
+            paths[f"throughput vs {option}"] = _save(fig, directory / f"{slug}-{option}.png", plt)
+    return paths
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _throughput_bars(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
+    workers = sorted({row.cell.workers for rows in series.values() for row in rows})
     width = 0.8 / max(1, len(series))
     for index, (name, mine) in enumerate(series.items()):
         for row in mine:
@@ -358,32 +374,28 @@ def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str
     ax.set_ylabel("samples/s (median, min–max)")
     ax.set_title(f"{model}: throughput by strategy")
     ax.legend(fontsize=8)
-    paths["throughput by strategy"] = _save(fig, directory / f"{slug}-throughput.png", plt)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _scaling_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
+    workers = sorted({row.cell.workers for rows in series.values() for row in rows})
     for index, (name, mine) in enumerate(series.items()):
         points = sorted((row.cell.workers, row.median) for row in mine)
         ax.plot(*zip(*points, strict=True), marker="o", color=f"C{index}", label=name)
         one = next((m for w, m in points if w == 1), None)
         if one is not None:
-            ax.plot(
-                workers,
-                [w * one for w in workers],
-                linestyle="--",
-                color=f"C{index}",
-                alpha=0.5,
-                label=f"{name} ideal",
-            )
+            ideal = [w * one for w in workers]
+            ax.plot(workers, ideal, linestyle="--", color=f"C{index}", alpha=0.5)
     ax.set_xlabel("workers")
     ax.set_ylabel("samples/s")
     ax.set_title(f"{model}: scaling (dashed: ideal N·T(1))")
     ax.legend(fontsize=7)
-    paths["scaling"] = _save(fig, directory / f"{slug}-scaling.png", plt)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    top = max(workers)
+
+def _bandwidth_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
+    rows = [row for mine in series.values() for row in mine]
+    top = max(row.cell.workers for row in rows)
     links = sorted({row.cell.bandwidth or "loopback" for row in rows}, key=_rate_order)
-    baseline_name = next((s for s in order if s in series), next(iter(series)))
+    baseline_name = next(iter(series))
     for index, (name, mine) in enumerate(series.items()):
         points = []
         for link in links:
@@ -398,23 +410,39 @@ def _plots(out: Path, model: str, rows: list[Row], order: list[str]) -> dict[str
     ax.set_ylabel(f"speedup over {baseline_name}")
     ax.set_title(f"{model}: speedup vs bandwidth ({top} workers)")
     ax.legend(fontsize=8)
-    paths["speedup vs bandwidth"] = _save(fig, directory / f"{slug}-bandwidth.png", plt)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _loss_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
     for index, (name, mine) in enumerate(series.items()):
         row = max(mine, key=lambda r: r.cell.workers)
-        ax.plot(
-            range(len(row.loss)),
-            row.loss,
-            color=f"C{index}",
-            label=f"{name} ({row.cell.workers} workers)",
-        )
+        label = f"{name} ({row.cell.workers} workers)"
+        ax.plot(range(len(row.loss)), row.loss, color=f"C{index}", label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over workers)")
     ax.set_title(f"{model}: loss vs step")
     ax.legend(fontsize=8)
-    paths["loss vs step"] = _save(fig, directory / f"{slug}-loss.png", plt)
-    return paths
+
+
+def _option_lines(ax: Any, model: str, rows: list[Row], option: str) -> None:
+    """Samples/s against one swept option's values, a line per strategy, workers and link."""
+    lines: dict[str, list[tuple[Any, Row]]] = defaultdict(list)
+    for row in rows:
+        value = row.cell.option(option)
+        if value is not None:
+            link = row.cell.bandwidth or "loopback"
+            lines[f"{row.cell.strategy}, {row.cell.workers} workers, {link}"].append((value, row))
+    for index, (name, points) in enumerate(lines.items()):
+        points.sort(key=lambda point: point[0])
+        xs = [value for value, _ in points]
+        medians = [row.median for _, row in points]
+        errors = [[r.median - r.low for _, r in points], [r.high - r.median for _, r in points]]
+        ax.errorbar(xs, medians, yerr=errors, marker="o", capsize=3, color=f"C{index}", label=name)
+    if all(isinstance(v, int | float) and v > 0 for pts in lines.values() for v, _ in pts):
+        ax.set_xscale("log")
+    ax.set_xlabel(option)
+    ax.set_ylabel("samples/s (median, min–max)")
+    ax.set_title(f"{model}: throughput vs {option}")
+    ax.legend(fontsize=8)
 
 
 def _find(rows: list[Row], workers: int, link: str) -> Row | None:

@@ -53,6 +53,7 @@ def cell_config(
         preset=experiment.preset,
         model_options=experiment.model_options.get(cell.model, {}),
         strategy=cell.strategy,
+        strategy_options=dict(cell.options),
         workers=cell.workers,
         steps=experiment.steps,
         global_batch=cell.global_batch,
@@ -61,20 +62,16 @@ def cell_config(
         out=str(run_dir),
         timeline=str(run_dir / "trace.json") if timeline else None,
         deterministic=True,
-        measure_warmup=experiment.warmup_steps,
+        measure_warmup=experiment.measure_warmup,
         optim=OptimConfig(
             name=experiment.optimizer,
             lr=experiment.lr,  # type: ignore[arg-type]
-            warmup_steps=experiment.lr_warmup_steps,
+            lr_warmup_steps=experiment.lr_warmup_steps,
             lr_scaling=cell.lr_scaling,
         ),  # type: ignore[arg-type]
         launch=launch,
     )
-    if cell.servers is None:
-        return config
-    # The servers go to the strategy's own section (ps, hybrid and p3 each have one).
-    section = getattr(config, cell.strategy)
-    return config.replace(**{cell.strategy: dataclasses.replace(section, servers=cell.servers)})
+    return config
 
 
 def load_results(out: Path) -> list[dict[str, Any]]:

@@ -1,14 +1,23 @@
 """Strategy registry: one file per synchronization architecture, one line here each.
 
+A strategy from outside the package registers itself with :func:`register`; list its module
+in ``GRADSYNC_STRATEGIES`` (comma-separated module names) so that every rank imports it.
+
 Example:
     >>> sorted(STRATEGIES)
     ['allreduce', 'ddp', 'hybrid', 'p3', 'ps', 'single']
+    >>> options_class("p3")().slice_size
+    40000
 """
 
 from __future__ import annotations
 
-from gradsync.config import DDPConfig, HybridConfig, P3Config, PSConfig, TrainConfig
+import importlib
+import os
+
+from gradsync.config import TrainConfig
 from gradsync.errors import UserError
+from gradsync.options import StrategyOptions
 from gradsync.strategies.allreduce import HorovodAllreduce
 from gradsync.strategies.base import Context, Strategy
 from gradsync.strategies.ddp import NativeDDP
@@ -28,16 +37,42 @@ STRATEGIES: dict[str, type[Strategy]] = {
         PriorityPropagation,
     )
 }
+PLUGINS_VARIABLE = "GRADSYNC_STRATEGIES"
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Add a strategy class to the registry (usable as a class decorator)."""
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def load_plugins() -> None:
+    """Import the modules named in ``GRADSYNC_STRATEGIES``; each registers its strategies."""
+    for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
+        try:
+            importlib.import_module(module.strip())
+        except ImportError as error:
+            raise UserError(
+                f"{PLUGINS_VARIABLE} names module '{module}', which does not import ({error}); "
+                "fix the name or PYTHONPATH"
+            ) from None
 
 
 def strategy_class(name: str) -> type[Strategy]:
     """The registered strategy called ``name``, or a UserError listing the choices."""
+    if name not in STRATEGIES:
+        load_plugins()
     try:
         return STRATEGIES[name]
     except KeyError:
         raise UserError(
             f"unknown strategy '{name}'; choose one of: {', '.join(STRATEGIES)}"
         ) from None
+
+
+def options_class(name: str) -> type[StrategyOptions]:
+    """The options dataclass of strategy ``name``."""
+    return strategy_class(name).Options
 
 
 def world_size_of(config: TrainConfig) -> int:
@@ -53,28 +88,16 @@ def check_strategy(config: TrainConfig) -> None:
             f"strategy 'single' runs one process on the whole global batch, but "
             f"--workers is {config.workers}; use --workers 1 or another strategy"
         )
-    if config.strategy != "ps" and config.ps != PSConfig():
-        raise UserError(
-            f"--servers/--colocate/--async/--staleness/--placement apply to --strategy ps, "
-            f"not '{config.strategy}'; drop them or use --strategy ps"
-        )
-    if config.strategy != "hybrid" and config.hybrid != HybridConfig():
-        raise UserError(
-            f"--partitions/--no-average-sparse/--no-local-aggregation/--sparse-pattern/"
-            f"--dense-pattern apply to --strategy hybrid, not '{config.strategy}'; drop them "
-            "or use --strategy hybrid"
-        )
-    if config.strategy != "p3" and config.p3 != P3Config():
-        raise UserError(
-            f"--slice-size/--no-priority/--no-slicing apply to --strategy p3, not "
-            f"'{config.strategy}'; drop them or use --strategy p3"
-        )
-    if config.strategy != "ddp" and config.ddp != DDPConfig():
-        raise UserError(
-            f"--find-unused-parameters applies to --strategy ddp, not '{config.strategy}' "
-            "(the other strategies handle parameters without a gradient themselves); drop it"
-        )
     cls.check_config(config)
 
 
-__all__ = ["STRATEGIES", "Context", "Strategy", "check_strategy", "strategy_class", "world_size_of"]
+__all__ = [
+    "STRATEGIES",
+    "Context",
+    "Strategy",
+    "check_strategy",
+    "options_class",
+    "register",
+    "strategy_class",
+    "world_size_of",
+]

@@ -10,14 +10,48 @@ does, unless ``--sparse-as-dense`` densifies them into the fusion buffers.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from torch import nn
 
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.row_allgather import RowAllgather
 from gradsync.config import TrainConfig
+from gradsync.options import StrategyOptions, option
 from gradsync.probe import sparse_lookup_weights
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllreduceOptions(StrategyOptions):
+    """Horovod's fusion buffer and gradient compression (``hybrid``'s dense path too)."""
+
+    fusion_threshold_mb: float = option(
+        64.0, help="fusion buffer size in MB; 0 disables fusion", metavar="MB", at_least=0
+    )
+    first_bucket_mb: float = option(
+        0.0,
+        help="cap of the first bucket (the gradients backward produces first), so they leave "
+        "before a full buffer is ready, as DDP's 1 MB first bucket; 0: no cap",
+        metavar="MB",
+        at_least=0,
+    )
+    fp16_compression: bool = option(False, help="allreduce gradients as float16")
+
+    @property
+    def first_bucket_bytes(self) -> int | None:
+        return int(self.first_bucket_mb * 2**20) if self.first_bucket_mb > 0 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HorovodOptions(AllreduceOptions):
+    """``allreduce``'s options: the fusion buffer's, and how sparse gradients travel."""
+
+    sparse_as_dense: bool = option(
+        False,
+        help="densify sparse gradients into the fusion buffers (Horovod's sparse_as_dense) "
+        "instead of allgathering the rows each worker touched",
+    )
 
 
 class HorovodAllreduce(Strategy):
@@ -25,11 +59,12 @@ class HorovodAllreduce(Strategy):
 
     name = "allreduce"
     summary = "Horovod: gradient hooks, fusion buffers, async ring allreduce"
+    Options = HorovodOptions
 
     def setup(self, model: nn.Module, context: Context) -> nn.Module:
         self.context, self.model = context, model
         broadcast_parameters(model, context.worker_group)
-        options = context.config.allreduce
+        options = context.config.strategy_options
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         sparse = set() if options.sparse_as_dense else sparse_lookup_weights(model)
         self.rows = RowAllgather(
@@ -71,6 +106,6 @@ class HorovodAllreduce(Strategy):
         self.updater.update()
 
     def expected_difference(self, config: TrainConfig) -> str | None:
-        if config.allreduce.fp16_compression:
+        if config.strategy_options.fp16_compression:
             return "fp16 compression rounds every gradient to half precision"
         return None

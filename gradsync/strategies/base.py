@@ -24,6 +24,7 @@ from gradsync.checkpoint import model_state
 from gradsync.comm.counters import CommStats
 from gradsync.config import TrainConfig
 from gradsync.optim import Updater
+from gradsync.options import StrategyOptions
 from gradsync.trace import NullTimeline
 
 
@@ -65,6 +66,7 @@ class Strategy(ABC):
     summary: ClassVar[str]
     synchronous: ClassVar[bool] = True
     probes_gradients: ClassVar[bool] = False  # fill Context.missing_gradients before setup
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions  # this strategy's options
 
     def __init__(self) -> None:
         self.counters = CommStats()

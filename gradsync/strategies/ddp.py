@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,8 +14,23 @@ from gradsync.comm.counters import tensor_bytes
 from gradsync.config import TrainConfig
 from gradsync.data.base import shard_bounds
 from gradsync.errors import UserError
+from gradsync.options import StrategyOptions, option
 from gradsync.probe import params_without_gradient, sparse_lookup_weights
 from gradsync.strategies.base import Context, Strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions(StrategyOptions):
+    """torch's own DDP knobs, passed through unchanged."""
+
+    find_unused_parameters: bool = option(
+        False,
+        help="torch DDP's flag of that name (default: turned on automatically when a "
+        "parameter gets no gradient on some worker in the first step)",
+    )
+    bucket_cap_mb: float = option(
+        25.0, help="DDP's gradient bucket size in MB (its first bucket is 1 MB)", above=0
+    )
 
 
 class NativeDDP(Strategy):
@@ -35,6 +51,7 @@ class NativeDDP(Strategy):
     name = "ddp"
     summary = "torch DistributedDataParallel, untouched (native baseline)"
     probes_gradients = True
+    Options = DDPOptions
 
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
@@ -77,6 +94,7 @@ class NativeDDP(Strategy):
             device_ids=device_ids,
             process_group=context.worker_group,
             find_unused_parameters=find_unused,
+            bucket_cap_mb=context.config.strategy_options.bucket_cap_mb,
         )
         wrapped.register_comm_hook(context.worker_group, self._counting_allreduce)
         self.updater = context.make_updater(model.parameters())
@@ -85,7 +103,7 @@ class NativeDDP(Strategy):
 
     @staticmethod
     def _find_unused(context: Context) -> bool:
-        if context.config.ddp.find_unused_parameters:
+        if context.config.strategy_options.find_unused_parameters:
             return True
         missing = sorted(context.missing_gradients or ())
         if missing and context.rank == 0:

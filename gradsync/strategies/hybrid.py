@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,69 @@ from gradsync.comm.sparse import (
     split_rows,
     sum_rows,
 )
-from gradsync.config import HybridConfig, TrainConfig
+from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.metrics import MetricsWriter, ServerRecord
+from gradsync.options import InvalidOption, option
 from gradsync.probe import lookup_tables
+from gradsync.strategies.allreduce import AllreduceOptions
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 from gradsync.trace import COMPUTE, Phase
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridOptions(AllreduceOptions):
+    """Parallax's switches: where the sparse servers run, how rows are split and summed,
+    which variables count as sparse; the dense path takes allreduce's options.
+
+    Patterns are globs, or ``re:REGEX``; a dense pattern wins over a sparse one.
+    """
+
+    servers: int | None = option(
+        None, help="dedicated server ranks after the workers (default 1)", at_least=1
+    )
+    colocate: bool = option(False, help="every worker also serves a shard (no extra ranks)")
+    partitions: int | None = option(
+        None,
+        help="row partitions per sparse variable (default: chosen by a cost model)",
+        metavar="P",
+        at_least=1,
+    )
+    average_sparse: bool = option(
+        True, help="average the workers' sparse gradients (off: sum them, as Parallax can)"
+    )
+    local_aggregation: bool = option(True, help="sum sparse gradients inside a node before pushing")
+    sparse_patterns: tuple[str, ...] = option(
+        (),
+        help="treat matching variables as sparse (repeatable)",
+        flag="--sparse-pattern",
+        metavar="GLOB",
+    )
+    dense_patterns: tuple[str, ...] = option(
+        (),
+        help="treat matching variables as dense (repeatable)",
+        flag="--dense-pattern",
+        metavar="GLOB",
+    )
+
+    def num_servers(self, workers: int) -> int:
+        """Sparse server shards in the job: one per worker when colocated."""
+        return workers if self.colocate else (1 if self.servers is None else self.servers)
+
+    def check(self, workers: int) -> None:
+        if self.colocate and self.servers is not None:
+            raise InvalidOption(
+                "{servers} with {colocate}: colocated servers run inside the workers, not on "
+                "extra ranks; drop one of them",
+                HybridOptions,
+            )
+        for pattern in (*self.sparse_patterns, *self.dense_patterns):
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as error:
+                    raise InvalidOption(f"bad regular expression {pattern!r}: {error}") from None
+
 
 # -- classification (pure) ------------------------------------------------------------------
 
@@ -74,14 +132,14 @@ def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def classify(model: nn.Module, options: HybridConfig) -> dict[str, str]:
+def classify(model: nn.Module, options: HybridOptions) -> dict[str, str]:
     """Variable name → "sparse" or "dense", in model order (trainable variables only).
 
     Example:
         >>> model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
-        >>> classify(model, HybridConfig())
+        >>> classify(model, HybridOptions())
         {'0.weight': 'sparse', '1.weight': 'dense', '1.bias': 'dense'}
-        >>> classify(model, HybridConfig(dense_patterns=("0.*",)))["0.weight"]
+        >>> classify(model, HybridOptions(dense_patterns=("0.*",)))["0.weight"]
         'dense'
     """
     lookups = lookup_tables(model)
@@ -140,7 +198,7 @@ def _classify_config(text: str) -> tuple[tuple[str, str], ...]:
     from gradsync.models import workload_of
 
     config = TrainConfig.from_json(text)
-    return tuple(classify(workload_of(config).model, config.hybrid).items())
+    return tuple(classify(workload_of(config).model, config.strategy_options).items())
 
 
 def _has_sparse(config: TrainConfig) -> bool:
@@ -155,12 +213,13 @@ class Hybrid(Strategy):
 
     name = "hybrid"
     summary = "Parallax: sparse variables via partitioned servers, dense via allreduce"
+    Options = HybridOptions
 
     @classmethod
     def num_server_ranks(cls, config: TrainConfig) -> int:
-        if config.hybrid.colocate or not _has_sparse(config):
+        if config.strategy_options.colocate or not _has_sparse(config):
             return 0
-        return config.hybrid.num_servers(config.workers)
+        return config.strategy_options.num_servers(config.workers)
 
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
@@ -181,8 +240,8 @@ class Hybrid(Strategy):
                 f"gradients (every row decays every step), which defeats the sparse path of "
                 f"{', '.join(sparse)}; use --weight-decay 0 or --dense-pattern"
             )
-        servers = config.hybrid.num_servers(config.workers)
-        partitions = config.hybrid.partitions
+        servers = config.strategy_options.num_servers(config.workers)
+        partitions = config.strategy_options.partitions
         if partitions is not None and partitions * len(sparse) < servers:
             raise UserError(
                 f"--partitions {partitions} × {len(sparse)} sparse variables leaves some of "
@@ -191,7 +250,7 @@ class Hybrid(Strategy):
             )
 
     def expected_difference(self, config: TrainConfig) -> str | None:
-        if not config.hybrid.average_sparse and config.workers > 1:
+        if not config.strategy_options.average_sparse and config.workers > 1:
             return "--no-average-sparse sums the workers' sparse gradients instead of averaging"
         return None
 
@@ -201,7 +260,7 @@ class Hybrid(Strategy):
         """Collective on every rank, in this order: transport group, node groups."""
         self.context = context
         config = context.config
-        self.options = config.hybrid
+        self.options = config.strategy_options
         self.num_servers = self.options.num_servers(context.num_workers)
         self.server_ranks = [
             s if self.options.colocate else context.num_workers + s for s in range(self.num_servers)
@@ -304,7 +363,7 @@ class Hybrid(Strategy):
         self.context, self.model = context, model
         config = context.config
         broadcast_parameters(model, context.worker_group)
-        self.kinds = classify(model, config.hybrid)
+        self.kinds = classify(model, config.strategy_options)
         self.params = dict(model.named_parameters())
         self.sparse_names = [n for n, k in self.kinds.items() if k == "sparse"]
         dense = [(n, self.params[n]) for n, k in self.kinds.items() if k == "dense"]
@@ -320,7 +379,7 @@ class Hybrid(Strategy):
                     flush=True,
                 )
         self.sparse_counters = CommStats()
-        options = config.allreduce
+        options = config.strategy_options
         self.fused = FusedAllreduce(
             [p for _, p in dense],
             names=[n for n, _ in dense],

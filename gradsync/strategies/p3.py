@@ -37,6 +37,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,33 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
+from gradsync.options import StrategyOptions, option
 from gradsync.strategies.base import Context, Strategy
 from gradsync.trace import COMPUTE, Phase
+
+DEFAULT_SLICE_SIZE = 40_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class P3Options(StrategyOptions):
+    """P3's servers, slice size and send order; ``priority`` off sends in arrival order
+    (FIFO), ``slicing`` off sends whole variables."""
+
+    servers: int | None = option(
+        None, help="dedicated server ranks after the workers (default 1)", at_least=1
+    )
+    slice_size: int = option(
+        DEFAULT_SLICE_SIZE,
+        help="values per parameter slice (MXNet P3's default)",
+        metavar="N",
+        at_least=1,
+    )
+    priority: bool = option(True, help="send slices in layer order (off: FIFO)")
+    slicing: bool = option(True, help="cut variables into slices (off: whole variables)")
+
+    def num_servers(self) -> int:
+        return 1 if self.servers is None else self.servers
+
 
 HEADER = 7  # kind, worker, step, slice, priority, length, lr
 PUSH, STATE, DONE, NO_GRADIENT = 0, 1, 2, 3  # worker → server
@@ -112,12 +138,13 @@ class PriorityPropagation(Strategy):
 
     name = "p3"
     summary = "P3 (SysML'19): sliced parameter server, priority-ordered slices, per-layer waits"
+    Options = P3Options
 
     # -- configuration -------------------------------------------------------------------
 
     @classmethod
     def num_server_ranks(cls, config: TrainConfig) -> int:
-        return config.p3.num_servers()
+        return config.strategy_options.num_servers()
 
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
@@ -144,7 +171,7 @@ class PriorityPropagation(Strategy):
         timeout = timedelta(seconds=self.timeout_s)
         self.push_group = dist.new_group(everyone, timeout=timeout)
         self.pull_group = dist.new_group(everyone, timeout=timeout)
-        self.num_servers = config.p3.num_servers()
+        self.num_servers = config.strategy_options.num_servers()
         self.server_ranks = [workers + s for s in range(self.num_servers)]
         spec: list[Any] = [None]
         if context.rank == 0:
@@ -161,7 +188,7 @@ class PriorityPropagation(Strategy):
         dist.broadcast_object_list(spec, src=0)
         self.slices = _slices(config, spec[0]["variables"])
         if context.rank == 0:
-            p3 = config.p3
+            p3 = config.strategy_options
             print(
                 f"[rank 0] p3: {len(self.slices)} slices of ≤ "
                 f"{p3.slice_size if p3.slicing else 'unbounded'} values over "
@@ -199,7 +226,10 @@ class PriorityPropagation(Strategy):
         for thread in receivers:
             thread.start()
         self.replies = PrioritySender(
-            self._send_reply, name="p3-reply", fifo=not config.p3.priority, window=SEND_WINDOW
+            self._send_reply,
+            name="p3-reply",
+            fifo=not config.strategy_options.priority,
+            window=SEND_WINDOW,
         )
         writer = MetricsWriter(Path(config.out), context.rank, prefix="server")
         try:
@@ -354,7 +384,7 @@ class PriorityPropagation(Strategy):
         self.sender = PrioritySender(
             self._send_slice,
             name="p3-send",
-            fifo=not context.config.p3.priority,
+            fifo=not context.config.strategy_options.priority,
             window=SEND_WINDOW,
         )
         self._receivers = [
@@ -597,7 +627,7 @@ class PriorityPropagation(Strategy):
 
 
 def _slices(config: TrainConfig, variables: list[tuple[str, int]]) -> list[Slice]:
-    p3 = config.p3
+    p3 = config.strategy_options
     return slice_variables(
         variables,
         slice_size=p3.slice_size if p3.slicing else None,

@@ -31,15 +31,61 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.checkpoint import BUFFER, PARAM
-from gradsync.comm.placement import Placement, Variable, plan_placement
+from gradsync.comm.placement import POLICIES, Placement, Variable, plan_placement
 from gradsync.comm.pushpull import HEADER, Client, Inbox, Outbox
 from gradsync.comm.server import ServerRound, ShardState, assemble_variable, serve
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
+from gradsync.options import InvalidOption, StrategyOptions, option
 from gradsync.strategies.base import Context, Strategy
 from gradsync.trace import COMPUTE, Phase
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSOptions(StrategyOptions):
+    """Where the servers run and when their updates apply.
+
+    Synchronous by default; ``async_updates`` applies each push on arrival and
+    ``staleness`` k bounds it (Stale Synchronous Parallel, Ho et al. 2013) and implies it.
+    """
+
+    servers: int | None = option(
+        None, help="dedicated server ranks after the workers (default 1)", at_least=1
+    )
+    colocate: bool = option(False, help="every worker also serves a shard (no extra ranks)")
+    async_updates: bool = option(
+        False, help="apply each push on arrival (TF 1.x asynchronous training)", flag="--async"
+    )
+    staleness: int | None = option(
+        None,
+        help="asynchronous, but no worker more than K steps ahead of the slowest (SSP)",
+        metavar="K",
+        at_least=1,
+    )
+    placement: str = option(
+        "greedy", help="greedy (size-balanced) or round-robin", choices=tuple(POLICIES)
+    )
+    partition_threshold_mb: float = option(
+        4.0, help="variables larger than this are split across servers", metavar="MB", above=0
+    )
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.async_updates or self.staleness is not None
+
+    def num_servers(self, workers: int) -> int:
+        """Server shards in the job: one per worker when colocated."""
+        return workers if self.colocate else (1 if self.servers is None else self.servers)
+
+    def check(self, workers: int) -> None:
+        if self.colocate and self.servers is not None:
+            raise InvalidOption(
+                "{servers} with {colocate}: colocated servers run inside the workers, not on "
+                "extra ranks; drop one of them",
+                PSOptions,
+            )
 
 
 @dataclass(frozen=True)
@@ -61,12 +107,17 @@ class ParameterServer(Strategy):
 
     name = "ps"
     summary = "parameter servers (TF 1.x): push gradients, pull parameters; sync/async/SSP"
+    Options = PSOptions
 
     # -- configuration -------------------------------------------------------------------
 
     @classmethod
     def num_server_ranks(cls, config: TrainConfig) -> int:
-        return 0 if config.ps.colocate else config.ps.num_servers(config.workers)
+        return (
+            0
+            if config.strategy_options.colocate
+            else config.strategy_options.num_servers(config.workers)
+        )
 
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
@@ -81,12 +132,12 @@ class ParameterServer(Strategy):
 
     @classmethod
     def is_synchronous(cls, config: TrainConfig) -> bool:
-        return not config.ps.asynchronous
+        return not config.strategy_options.asynchronous
 
     def expected_difference(self, config: TrainConfig) -> str | None:
-        if config.ps.staleness is not None:
-            return f"asynchronous updates (staleness ≤ {config.ps.staleness} steps)"
-        if config.ps.async_updates:
+        if config.strategy_options.staleness is not None:
+            return f"asynchronous updates (staleness ≤ {config.strategy_options.staleness} steps)"
+        if config.strategy_options.async_updates:
             return "asynchronous updates (each push applied on arrival)"
         return None
 
@@ -97,10 +148,10 @@ class ParameterServer(Strategy):
         config, workers = context.config, context.num_workers
         self.context = context
         self.group = dist.new_group(list(range(context.world_size)))
-        self.num_servers = config.ps.num_servers(workers)
+        self.num_servers = config.strategy_options.num_servers(workers)
         # Server s lives on rank s when colocated, after the workers otherwise.
         self.server_ranks = [
-            s if config.ps.colocate else workers + s for s in range(self.num_servers)
+            s if config.strategy_options.colocate else workers + s for s in range(self.num_servers)
         ]
         spec: list[Any] = [None]
         if context.rank == 0:
@@ -117,9 +168,14 @@ class ParameterServer(Strategy):
         dist.broadcast_object_list(spec, src=0)
         self.placement: Placement = _plan(config, [Variable(*v) for v in spec[0]["variables"]])
         if context.rank == 0:
-            where = "colocated on the workers" if config.ps.colocate else "dedicated ranks"
+            where = (
+                "colocated on the workers"
+                if config.strategy_options.colocate
+                else "dedicated ranks"
+            )
             print(
-                f"[rank 0] ps placement ({config.ps.placement}, {self.num_servers} servers, "
+                f"[rank 0] ps placement ({config.strategy_options.placement}, "
+                f"{self.num_servers} servers, "
                 f"{where}):\n{self.placement.describe()}",
                 flush=True,
             )
@@ -177,7 +233,7 @@ class ParameterServer(Strategy):
                 state,
                 num_workers=context.num_workers,
                 synchronous=self.is_synchronous(context.config),
-                staleness=context.config.ps.staleness,
+                staleness=context.config.strategy_options.staleness,
                 on_round=on_round,
                 timeline=context.timeline,
                 track=f"server {server}",
@@ -206,7 +262,7 @@ class ParameterServer(Strategy):
                 param.copy_(value)
         local = None
         self._server_thread: threading.Thread | None = None
-        if context.config.ps.colocate:
+        if context.config.strategy_options.colocate:
             server = context.rank
             state, inbox, outbox = self._make_server(
                 server, spec, local_worker=context.worker_index
@@ -316,9 +372,9 @@ def _plan(config: TrainConfig, variables: list[Variable]) -> Placement:
     try:
         return plan_placement(
             variables,
-            num_servers=config.ps.num_servers(config.workers),
-            policy=config.ps.placement,
-            threshold_bytes=int(config.ps.partition_threshold_mb * 2**20),
+            num_servers=config.strategy_options.num_servers(config.workers),
+            policy=config.strategy_options.placement,
+            threshold_bytes=int(config.strategy_options.partition_threshold_mb * 2**20),
         )
     except UserError as error:
         raise UserError(f"model '{config.model}' ({config.preset}): {error}") from None

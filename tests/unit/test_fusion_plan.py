@@ -167,3 +167,14 @@ def test_first_bucket_cap_applies_to_the_first_bucket_only() -> None:
         [2],
         [1, 0],
     ]
+
+
+def test_allreduce_bucket_and_sparse_options() -> None:
+    from gradsync.errors import UserError
+    from gradsync.strategies.allreduce import HorovodOptions
+
+    with pytest.raises(UserError, match=r"--first-bucket-mb must be >= 0, got -1\.0"):
+        HorovodOptions(first_bucket_mb=-1.0)
+    assert HorovodOptions().first_bucket_bytes is None
+    assert HorovodOptions(first_bucket_mb=1.0).first_bucket_bytes == 1 << 20
+    assert not HorovodOptions().sparse_as_dense
