@@ -1,4 +1,5 @@
-"""``ddp``: PyTorch DistributedDataParallel, untouched: the native baseline."""
+"""``ddp``: PyTorch DistributedDataParallel as torch ships it (its reducer, buckets and default
+allreduce hook, wrapped only to count bytes): the native baseline."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class NativeDDP(Strategy):
     """
 
     name = "ddp"
-    summary = "torch DistributedDataParallel, untouched (native baseline)"
+    summary = "torch DistributedDataParallel, its own reducer and hook (native baseline)"
     probes_gradients = True
     Options = DDPOptions
 
