@@ -307,3 +307,34 @@ def test_a_loss_summed_over_samples_gets_the_diagnosis(workdir: Path) -> None:
     assert result.returncode == 1, result.stdout + result.stderr
     assert {o["verdict"] for o in verify_outcomes(workdir / "verify")} == {"reference", "FAIL"}
     assert "diagnosis:" in result.stdout and "not a mean over the samples" in result.stdout
+
+
+def test_local_batchnorm_is_an_expected_difference(workdir: Path) -> None:
+    """--batchnorm local: each worker normalizes its own shard, in every strategy; verify
+    names it as the reason and shows the distance, and does not fail."""
+    out = workdir / "verify"
+    result = gradsync(
+        "verify",
+        "--model",
+        "resnet56",
+        "--preset",
+        "tiny",
+        "--steps",
+        "2",
+        "--batchnorm",
+        "local",
+        "--strategies",
+        "ddp,allreduce",
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        cwd=workdir,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for outcome in verify_outcomes(out):
+        if outcome["strategy"] != "single":
+            assert outcome["verdict"] == "differs (expected)", outcome
+            assert "--batchnorm local" in outcome["reason"]
+            assert outcome["max_abs"] > FLOAT64_TOLERANCE
