@@ -2,6 +2,9 @@
 
 Runs are interleaved (ddp, allreduce, single, plain, ddp, ...) so machine noise hits every
 variant alike; each ratio is taken within one repeat, and the median ratio is reported.
+Every run holds the same workload: dropout off, the same synthetic data and global batch,
+``--threads`` intra-op threads per rank, BatchNorm over the global batch; the script prints
+what it held equal.
 
     python benchmarks/core_overhead.py --repeats 3 --steps 40
 
@@ -18,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gradsync.config import TrainConfig
+from gradsync.config import LaunchConfig, TrainConfig
 from gradsync.jobs import run_job
 
 
@@ -30,6 +33,8 @@ def gradsync_throughput(strategy: str, workers: int, args: argparse.Namespace, o
         workers=workers,
         steps=args.steps,
         deterministic=True,
+        batchnorm="global",
+        launch=LaunchConfig(threads=args.threads),
         out=str(out),
     )
     return run_job(config)["throughput"]["median"]
@@ -46,6 +51,9 @@ def plain_throughput(args: argparse.Namespace) -> float:
             args.preset,
             "--steps",
             str(args.steps),
+            "--threads",
+            str(args.threads),
+            "--deterministic",
         ],
         capture_output=True,
         text=True,
@@ -67,7 +75,12 @@ def main() -> None:
     parser.add_argument("--preset", default="default")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     args = parser.parse_args()
+    print(
+        f"held equal: {args.model} ({args.preset}), dropout off, synthetic data (seed 0), "
+        f"the preset's global batch, {args.threads} thread(s) per rank, BatchNorm global"
+    )
     rates: dict[str, list[float]] = {"ddp": [], "allreduce": [], "single": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):

@@ -89,6 +89,14 @@ def _add_model_options(
         help="samples per step over all workers (default: the preset's)",
     )
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--batchnorm",
+        choices=["global", "local"],
+        default="global",
+        help="global (default): BatchNorm statistics over the global batch, as single "
+        "computes them; local: each worker normalizes its own shard (DDP's and Horovod's "
+        "default; verify reports it as an expected difference)",
+    )
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--optimizer", default="sgd", help="sgd | adam")
     optim.add_argument("--lr", type=float, help="learning rate (default: 0.05 sgd, 1e-3 adam)")
@@ -324,6 +332,7 @@ def _config(args: argparse.Namespace, **overrides: object):
         steps=args.steps,
         global_batch=args.global_batch,
         seed=args.seed,
+        batchnorm=args.batchnorm,
         data=args.data,
         measure_warmup=args.measure_warmup,
         optim=optim,

@@ -73,7 +73,20 @@ def diff_checkpoints(
     return diffs
 
 
-RUN_SETTINGS = ("step", "deterministic", "dtype", "optimizer", "lr", "seed", "global_batch")
+# What makes two runs different workloads: dropout (``deterministic``), BatchNorm mode,
+# threads per rank, global batch, data — and the settings of the computation itself.
+RUN_SETTINGS = (
+    "step",
+    "deterministic",
+    "batchnorm",
+    "threads",
+    "data",
+    "dtype",
+    "optimizer",
+    "lr",
+    "seed",
+    "global_batch",
+)
 
 
 def setting_differences(reference: Checkpoint, other: Checkpoint) -> list[str]:

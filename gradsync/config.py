@@ -17,6 +17,7 @@ LrScaling = Literal["none", "linear", "sqrt"]
 OPTIMIZERS = ("sgd", "adam")
 LR_SCALINGS = ("none", "linear", "sqrt")
 DTYPES = ("float32", "float64")
+BATCHNORM_MODES = ("global", "local")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3}
 
 
@@ -160,6 +161,7 @@ class TrainConfig:
     out: str = "runs/latest"
     deterministic: bool = False
     dtype: str = "float32"
+    batchnorm: str = "global"  # "local": each worker normalizes its own shard
     measure_warmup: int | None = None
     checkpoint_every: int = 0
     log_every: int | None = None
@@ -195,6 +197,11 @@ class TrainConfig:
                     f"{self.workers}; use a multiple of {self.workers} "
                     f"(e.g. {self.workers * max(1, self.global_batch // self.workers)})"
                 )
+        if self.batchnorm not in BATCHNORM_MODES:
+            raise UserError(
+                f"unknown --batchnorm '{self.batchnorm}'; choose global (statistics over the "
+                "global batch, as single) or local (each worker's shard, as DDP and Horovod)"
+            )
         if self.dtype not in DTYPES:
             raise UserError(
                 f"unknown --dtype '{self.dtype}'; choose one of: {', '.join(DTYPES)} "

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
-from gradsync.comm.batchnorm import convert_batchnorm
+from gradsync.comm.batchnorm import convert_batchnorm, has_batchnorm
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed, shard_bounds
 from gradsync.errors import UserError
@@ -109,8 +109,11 @@ def _train_and_record(
     global_batch = config.global_batch or workload.global_batch
     model = workload.model.to(device)
     missing = _probe_gradients(strategy, workload, global_batch, env.rank, worker_group, device)
-    if num_workers > 1 and convert_batchnorm(model, group=worker_group) and env.rank == 0:
-        print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
+    if num_workers > 1 and config.batchnorm == "global":
+        if convert_batchnorm(model, group=worker_group) and env.rank == 0:
+            print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
+    elif num_workers > 1 and has_batchnorm(model) and env.rank == 0:
+        print("[rank 0] BatchNorm statistics per worker shard (--batchnorm local)")
     if env.rank == 0 and (per_epoch := _iterations_per_epoch(workload, global_batch)):
         print(
             f"[rank 0] data: {workload.num_train_samples:,} training samples, so an epoch is "
@@ -154,6 +157,9 @@ def _train_and_record(
         "lr": lr,
         "deterministic": config.deterministic,
         "dtype": config.dtype,
+        "batchnorm": config.batchnorm,
+        "data": config.data,
+        "threads": threads,
     }
 
     def on_step(record: StepRecord) -> None:

@@ -1,19 +1,24 @@
 """``gradsync timeline summarize``: where each step's time went, from a Chrome trace.
 
-Per rank, each step (its ``STEP`` span) splits into the parts below (the table shows
-means over steps, so the parts add up):
+Per rank, each step (its ``STEP`` span) splits into four parts that add up to the step time
+(the table shows means over steps):
 
-* **compute** — the top-level FORWARD, BACKWARD and OPTIMIZER_STEP spans on the compute track;
+* **compute** — the FORWARD, BACKWARD and OPTIMIZER_STEP spans of the training thread,
+  less the waits and copies that happen inside them;
+* **copy** — local copies into and out of fusion buffers (MEMCPY_IN/OUT_FUSION_BUFFER):
+  memory traffic on the training thread, neither communication nor idle;
 * **exposed communication** — COMM_WAIT and WAIT_FOR_PARAMS spans: the training thread
-  blocked on communication that did not overlap computation;
+  blocked on communication (wherever they nest, e.g. a pull inside forward);
 * **idle** — the rest (data loading, Python between phases).
 
-Communication time counts the transfer phases (allreduce, push, pull, fusion copies, server
-aggregate/apply), not the QUEUE phase, in which a bucket waits for its gradients.
+**Communication** is the union of the transfer spans (ALLREDUCE, ALLGATHER, PUSH, PULL) on
+the channel tracks — bytes in flight between ranks, never copies, never the QUEUE phase in
+which a bucket waits for its gradients. The **overlap ratio** is computed from those spans
+only: the share of communication time during which the training thread was computing,
+``|communication ∩ compute| / |communication|``.
 
-They add up to the step time by construction. The **overlap ratio** is the share of the
-communication time (union of the channel tracks' spans) hidden behind computation:
-1 − exposed / communication.
+A parameter server has no steps; its row shows its busy time (transfers, aggregation and
+apply) per step it served.
 
 Example:
     >>> # summary = summarize_trace(Path("trace.json")); print_summary(summary)
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +37,19 @@ from typing import Any
 from gradsync.checkpoint import atomic_write_text
 from gradsync.errors import UserError
 from gradsync.tables import print_table
-from gradsync.trace import COMM_PHASES, COMPUTE_PHASES, EXPOSED_PHASES, Phase
+from gradsync.trace import (
+    COMPUTE_PHASES,
+    COPY_PHASES,
+    EXPOSED_PHASES,
+    SERVER_PHASES,
+    TRANSFER_PHASES,
+    Phase,
+)
 
 TOP_TENSORS = 10
 SLOWEST_STEPS = 5
+
+Intervals = list[tuple[float, float]]  # disjoint, sorted, in µs
 
 
 @dataclass(frozen=True)
@@ -54,16 +69,18 @@ class Span:
 
 @dataclass
 class StepBreakdown:
-    """One step of one rank, in milliseconds."""
+    """One step of one rank, in milliseconds: compute + copy + exposed + idle = step."""
 
     rank: int
     step: int
     begin_us: float
     step_ms: float
     compute_ms: float
+    copy_ms: float
     exposed_comm_ms: float
     idle_ms: float
     comm_ms: float
+    hidden_comm_ms: float
 
 
 @dataclass
@@ -73,6 +90,7 @@ class RankSummary:
     steps: int
     step_ms: float
     compute_ms: float
+    copy_ms: float
     exposed_comm_ms: float
     idle_ms: float
     comm_ms: float
@@ -132,14 +150,154 @@ def _names(events: list[dict[str, Any]], kind: str) -> dict[Any, str]:
     }
 
 
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    total, current_end = 0.0, float("-inf")
-    for begin, end in sorted(intervals):
-        if end <= current_end:
-            continue
-        total += end - max(begin, current_end)
-        current_end = end
-    return total / 1000
+# -- interval arithmetic (µs in, ms out) ---------------------------------------------------
+
+
+def merge(intervals: Iterable[tuple[float, float]]) -> Intervals:
+    """Disjoint sorted intervals covering the same time.
+
+    Example:
+        >>> merge([(5, 7), (0, 2), (1, 3)])
+        [(0, 3), (5, 7)]
+    """
+    merged: Intervals = []
+    for begin, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((begin, end))
+    return merged
+
+
+def intersect(a: Intervals, b: Intervals) -> Intervals:
+    """The time covered by both (each argument disjoint and sorted).
+
+    Example:
+        >>> intersect([(0, 4)], [(1, 2), (3, 6)])
+        [(1, 2), (3, 4)]
+    """
+    out: Intervals = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        begin, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if begin < end:
+            out.append((begin, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: Intervals, b: Intervals) -> Intervals:
+    """The time covered by ``a`` and not by ``b`` (each disjoint and sorted).
+
+    Example:
+        >>> subtract([(0, 10)], [(2, 3), (8, 12)])
+        [(0, 2), (3, 8)]
+    """
+    out: Intervals = []
+    for begin, end in a:
+        cursor = begin
+        for cut_begin, cut_end in b:
+            if cut_end <= cursor or cut_begin >= end:
+                continue
+            if cut_begin > cursor:
+                out.append((cursor, cut_begin))
+            cursor = max(cursor, cut_end)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def length_ms(intervals: Intervals) -> float:
+    return sum(end - begin for begin, end in intervals) / 1000
+
+
+def _within(spans: Iterable[Span], names: tuple[str, ...], window: Span) -> Intervals:
+    """The time of the spans named ``names`` (prefix before ``:``), clipped to ``window``."""
+    return merge(
+        (max(s.begin, window.begin), min(s.end, window.end))
+        for s in spans
+        if s.name.split(":")[0] in names
+    )
+
+
+# -- one step, one rank, one trace ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RankSpans:
+    """A rank's spans: its training thread's (``compute``) and every other track's."""
+
+    compute: list[Span]
+    channels: list[Span]
+
+
+def _rank_spans(spans: dict[tuple[int, int], list[Span]], pid: int) -> _RankSpans:
+    channels = [s for (p, tid), track in spans.items() if p == pid and tid != 0 for s in track]
+    return _RankSpans(compute=spans.get((pid, 0), []), channels=channels)
+
+
+def break_down_step(rank: int, step_span: Span, mine: _RankSpans) -> StepBreakdown:
+    """Split one STEP span into compute, copy, exposed communication and idle time."""
+    top_level = [s for s in mine.compute if s.depth == 1]
+    copy = _within(mine.channels + mine.compute, COPY_PHASES, step_span)
+    exposed = subtract(_within(mine.compute, EXPOSED_PHASES, step_span), copy)
+    compute = subtract(subtract(_within(top_level, COMPUTE_PHASES, step_span), exposed), copy)
+    comm = _within(mine.channels, TRANSFER_PHASES, step_span)
+    step_ms = step_span.duration / 1000
+    busy_ms = length_ms(compute) + length_ms(copy) + length_ms(exposed)
+    return StepBreakdown(
+        rank=rank,
+        step=int(step_span.args.get("step", -1)),
+        begin_us=step_span.begin,
+        step_ms=step_ms,
+        compute_ms=length_ms(compute),
+        copy_ms=length_ms(copy),
+        exposed_comm_ms=length_ms(exposed),
+        idle_ms=max(0.0, step_ms - busy_ms),
+        comm_ms=length_ms(comm),
+        hidden_comm_ms=length_ms(intersect(comm, compute)),
+    )
+
+
+def _server_busy_ms(mine: _RankSpans) -> float:
+    """A server's busy time (transfers, aggregation, apply) per step it served."""
+    served = [s for s in mine.channels if s.name in TRANSFER_PHASES + SERVER_PHASES]
+    count = len({s.args.get("step") for s in served}) or 1
+    return length_ms(merge((s.begin, s.end) for s in served)) / count
+
+
+def summarize_rank(
+    pid: int, role: str, steps: list[StepBreakdown], mine: _RankSpans
+) -> RankSummary:
+    """Means over a rank's steps; overlap = hidden communication / communication."""
+    comm_total = sum(s.comm_ms for s in steps)
+    return RankSummary(
+        rank=pid,
+        role=role,
+        steps=len(steps),
+        step_ms=_mean(s.step_ms for s in steps),
+        compute_ms=_mean(s.compute_ms for s in steps),
+        copy_ms=_mean(s.copy_ms for s in steps),
+        exposed_comm_ms=_mean(s.exposed_comm_ms for s in steps),
+        idle_ms=_mean(s.idle_ms for s in steps),
+        comm_ms=_mean(s.comm_ms for s in steps) if steps else _server_busy_ms(mine),
+        overlap_ratio=sum(s.hidden_comm_ms for s in steps) / comm_total if comm_total else None,
+    )
+
+
+def _top_tensors(channels: list[Span]) -> list[dict[str, Any]]:
+    """The tensors (buckets, partitions) with the most transfer time, with their bytes."""
+    tensor_ms: dict[str, float] = defaultdict(float)
+    tensor_bytes: dict[str, int] = defaultdict(int)
+    for span in channels:
+        if "tensor" in span.args and span.name in TRANSFER_PHASES + SERVER_PHASES:
+            tensor_ms[span.args["tensor"]] += span.duration / 1000
+            tensor_bytes[span.args["tensor"]] += int(span.args.get("bytes", 0))
+    top = sorted(tensor_ms.items(), key=lambda item: -item[1])[:TOP_TENSORS]
+    return [{"tensor": name, "comm_ms": ms, "bytes": tensor_bytes[name]} for name, ms in top]
 
 
 def summarize_trace(path: Path) -> TraceSummary:
@@ -149,87 +307,20 @@ def summarize_trace(path: Path) -> TraceSummary:
     spans = close_spans(events)
     process_names = _names(events, "process_name")
     steps: list[StepBreakdown] = []
-    tensor_ms: dict[str, float] = defaultdict(float)
-    tensor_bytes: dict[str, int] = defaultdict(int)
+    ranks: list[RankSummary] = []
+    channels: list[Span] = []
     for pid in sorted({pid for pid, _ in spans}):
-        compute = spans.get((pid, 0), [])
-        comm = [
-            s
-            for (p, tid), track in spans.items()
-            if p == pid and tid != 0
-            for s in track
-            if s.name in COMM_PHASES
-        ]
-        for span in comm:
-            if "tensor" in span.args:
-                tensor_ms[span.args["tensor"]] += span.duration / 1000
-                tensor_bytes[span.args["tensor"]] += int(span.args.get("bytes", 0))
-        for step_span in (s for s in compute if s.name == Phase.STEP):
-            inside = [
-                s
-                for s in compute
-                if s.depth == 1 and step_span.begin <= s.begin and s.end <= step_span.end
-            ]
-            compute_ms = sum(s.duration for s in inside if s.name in COMPUTE_PHASES) / 1000
-            exposed_ms = sum(s.duration for s in inside if s.name in EXPOSED_PHASES) / 1000
-            step_ms = step_span.duration / 1000
-            comm_ms = _union_ms(
-                [
-                    (max(s.begin, step_span.begin), min(s.end, step_span.end))
-                    for s in comm
-                    if s.end > step_span.begin and s.begin < step_span.end
-                ]
-            )
-            steps.append(
-                StepBreakdown(
-                    rank=pid,
-                    step=int(step_span.args.get("step", -1)),
-                    begin_us=step_span.begin,
-                    step_ms=step_ms,
-                    compute_ms=compute_ms,
-                    exposed_comm_ms=exposed_ms,
-                    idle_ms=max(0.0, step_ms - compute_ms - exposed_ms),
-                    comm_ms=comm_ms,
-                )
-            )
-    ranks = []
-    for pid in sorted({s.rank for s in steps} | {pid for pid, _ in spans}):
-        mine = [s for s in steps if s.rank == pid]
-        comm_total = sum(s.comm_ms for s in mine)
-        exposed = sum(s.exposed_comm_ms for s in mine)
-        if not mine:  # a server: no steps of its own; its busy time per step it served
-            served = [
-                s
-                for (p, tid), track in spans.items()
-                if p == pid
-                for s in track
-                if s.name in COMM_PHASES
-            ]
-            count = len({s.args.get("step") for s in served}) or 1
-            comm_total = _union_ms([(s.begin, s.end) for s in served]) / count
-        ranks.append(
-            RankSummary(
-                rank=pid,
-                role=process_names.get(pid, f"rank {pid}"),
-                steps=len(mine),
-                step_ms=_mean(s.step_ms for s in mine),
-                compute_ms=_mean(s.compute_ms for s in mine),
-                exposed_comm_ms=_mean(s.exposed_comm_ms for s in mine),
-                idle_ms=_mean(s.idle_ms for s in mine),
-                comm_ms=_mean(s.comm_ms for s in mine) if mine else comm_total,
-                # Exposed time can slightly exceed the transfers (waiting includes Python).
-                overlap_ratio=max(0.0, 1 - exposed / comm_total) if mine and comm_total else None,
-            )
-        )
-    top = sorted(tensor_ms.items(), key=lambda item: -item[1])[:TOP_TENSORS]
+        mine = _rank_spans(spans, pid)
+        own = [break_down_step(pid, s, mine) for s in mine.compute if s.name == Phase.STEP]
+        steps += own
+        channels += mine.channels
+        ranks.append(summarize_rank(pid, process_names.get(pid, f"rank {pid}"), own, mine))
     slowest = sorted(steps, key=lambda s: -s.step_ms)[:SLOWEST_STEPS]
     return TraceSummary(
         path=str(path),
         strategy=str(trace.get("otherData", {}).get("strategy", "?")),
         ranks=ranks,
-        top_tensors=[
-            {"tensor": name, "comm_ms": ms, "bytes": tensor_bytes[name]} for name, ms in top
-        ],
+        top_tensors=_top_tensors(channels),
         slowest_steps=[{"rank": s.rank, "step": s.step, "step_ms": s.step_ms} for s in slowest],
         steps=steps,
     )
@@ -249,6 +340,7 @@ def print_summary(summary: TraceSummary) -> None:
             str(r.steps),
             f"{r.step_ms:.1f}",
             f"{r.compute_ms:.1f}",
+            f"{r.copy_ms:.1f}",
             f"{r.exposed_comm_ms:.1f}",
             f"{r.idle_ms:.1f}",
             f"{r.comm_ms:.1f}",
@@ -264,9 +356,10 @@ def print_summary(summary: TraceSummary) -> None:
             "steps",
             "step",
             "compute",
+            "copy",
             "exposed comm",
             "idle",
-            "comm (all)",
+            "comm (transfers)",
             "overlap",
         ],
         rows,
@@ -325,6 +418,7 @@ def gantt(path: Path, out_png: Path, step: int | None = None) -> int:
         Phase.COMM_WAIT: "tab:red",
         Phase.WAIT_FOR_PARAMS: "tab:red",
         Phase.ALLREDUCE: "tab:purple",
+        Phase.ALLGATHER: "mediumpurple",
         Phase.PUSH: "tab:brown",
         Phase.PULL: "tab:pink",
         Phase.QUEUE: "tab:gray",

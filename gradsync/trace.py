@@ -52,6 +52,7 @@ class Phase:
     MEMCPY_IN_FUSION_BUFFER = "MEMCPY_IN_FUSION_BUFFER"
     MEMCPY_OUT_FUSION_BUFFER = "MEMCPY_OUT_FUSION_BUFFER"
     ALLREDUCE = "ALLREDUCE"
+    ALLGATHER = "ALLGATHER"
     PUSH = "PUSH"
     PULL = "PULL"
     SERVER_AGGREGATE = "SERVER_AGGREGATE"
@@ -60,15 +61,12 @@ class Phase:
 
 COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER_STEP)
 EXPOSED_PHASES = (Phase.COMM_WAIT, Phase.WAIT_FOR_PARAMS)
-COMM_PHASES = (
-    Phase.MEMCPY_IN_FUSION_BUFFER,
-    Phase.MEMCPY_OUT_FUSION_BUFFER,
-    Phase.ALLREDUCE,
-    Phase.PUSH,
-    Phase.PULL,
-    Phase.SERVER_AGGREGATE,
-    Phase.SERVER_APPLY,
-)
+# Local copies into and out of fusion buffers: their own phase, neither sent nor idle.
+COPY_PHASES = (Phase.MEMCPY_IN_FUSION_BUFFER, Phase.MEMCPY_OUT_FUSION_BUFFER)
+# Bytes in flight between ranks: the only spans that count as communication.
+TRANSFER_PHASES = (Phase.ALLREDUCE, Phase.ALLGATHER, Phase.PUSH, Phase.PULL)
+# What a parameter server does with what it received (its busy time, with the transfers).
+SERVER_PHASES = (Phase.SERVER_AGGREGATE, Phase.SERVER_APPLY)
 
 
 def parse_window(text: str | None) -> tuple[int, int] | None:

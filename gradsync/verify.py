@@ -320,7 +320,7 @@ def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[
     if config.strategy == REFERENCE:
         return "reference", "the whole global batch in one process"
     strategy = strategy_class(config.strategy)
-    expected = strategy().expected_difference(config)
+    expected = strategy().expected_difference(config) or batchnorm_difference(config)
     if not strategy.is_synchronous(config):
         # Not held to the tolerance: asynchronous training is a different computation.
         return (
@@ -332,6 +332,18 @@ def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[
     if expected is not None or not strategy.synchronous:
         return "differs (expected)", expected or "asynchronous updates"
     return "FAIL", "a synchronous strategy must match single"
+
+
+def batchnorm_difference(config: TrainConfig) -> str | None:
+    """Why ``--batchnorm local`` differs from single (None when it cannot).
+
+    Example:
+        >>> batchnorm_difference(TrainConfig(strategy="ddp", workers=2, batchnorm="local"))
+        'per-worker BatchNorm statistics (--batchnorm local)'
+    """
+    if config.batchnorm == "local" and config.workers > 1:
+        return "per-worker BatchNorm statistics (--batchnorm local)"
+    return None
 
 
 def deterministic_notice(config: TrainConfig) -> str:

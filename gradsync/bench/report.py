@@ -63,13 +63,13 @@ def write_report(out: Path) -> Path:
             lines += ["No successful cells.", ""]
             continue
         lines += [_table(mine), ""]
-        if any(row.cell.strategy == "ddp" for row in mine):
-            lines += [
-                "`ddp`'s bytes are the ring model over its gradient size: its reducer is "
-                "not instrumented (it allreduces sparse gradients natively, so on models "
-                "with sparse gradients it moves less than shown).",
-                "",
-            ]
+        lines += [
+            "Bytes sent/step: point-to-point messages are counted from the tensors sent; "
+            "collectives (allreduce, allgather, ddp's buckets) from the tensors passed, "
+            "times the ring algorithm's factor (checked against the wire by "
+            "`benchmarks/wire_bytes.py`).",
+            "",
+        ]
         lines += [reading(mine) + _cores_caveat(mine, records), ""]
         for kind, path in _plots(out, model, mine, experiment.swept_options()).items():
             lines += [f"![{kind}]({path.relative_to(out)})", ""]

@@ -1,5 +1,9 @@
 """Batch normalization over the global batch, across ranks, on any device (Gloo included).
 
+``--batchnorm global`` (the default) converts every BatchNorm layer of a multi-worker job;
+``--batchnorm local`` leaves them alone, so each worker normalizes its own shard, as DDP's
+and Horovod's users get by default (``verify`` reports it as an expected difference).
+
 torch's ``nn.SyncBatchNorm`` runs on GPUs only. This module gives every strategy that splits
 a global batch over workers the same statistics the single-process reference computes over
 the whole batch (Ioffe & Szegedy 2015), so BatchNorm models stay verifiable. Forward
@@ -138,3 +142,13 @@ def convert_batchnorm(module: nn.Module, group: Any) -> int:
         else:
             replaced += convert_batchnorm(child, group)
     return replaced
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    """Whether ``module`` holds a BatchNorm layer (whose statistics ``--batchnorm`` sets).
+
+    Example:
+        >>> has_batchnorm(nn.Sequential(nn.Linear(2, 2))), has_batchnorm(nn.BatchNorm1d(2))
+        (False, True)
+    """
+    return any(isinstance(m, _BatchNorm) for m in module.modules())

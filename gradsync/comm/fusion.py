@@ -54,22 +54,31 @@ class Bucket:
         return self.buffer[self.buffer.numel() - len(self.params) :]
 
 
-def plan_buckets(params: Sequence[nn.Parameter], threshold_bytes: int) -> list[list[int]]:
+def plan_buckets(
+    params: Sequence[nn.Parameter], threshold_bytes: int, first_bucket_bytes: int | None = None
+) -> list[list[int]]:
     """Indices of ``params`` grouped into buckets, last parameter first, up to ``threshold_bytes``.
 
-    A threshold of 0 disables fusion (one bucket per parameter).
+    A threshold of 0 disables fusion (one bucket per parameter). ``first_bucket_bytes``
+    (DDP's ``bucket_cap_mb`` for the first bucket, 1 MB there) caps the first bucket only:
+    the gradients backward produces first leave early instead of waiting for a full bucket.
 
     Example:
         >>> ps = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 10)]
         >>> plan_buckets(ps, threshold_bytes=80)
         [[2, 1], [0]]
+        >>> plan_buckets(ps, threshold_bytes=120, first_bucket_bytes=40)
+        [[2], [1, 0]]
     """
     buckets: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
     for index in reversed(range(len(params))):
         size = params[index].numel() * params[index].element_size()
-        if current and current_bytes + size > threshold_bytes:
+        cap = threshold_bytes
+        if not buckets and first_bucket_bytes is not None:
+            cap = min(cap, first_bucket_bytes)
+        if current and current_bytes + size > cap:
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(index)
@@ -98,6 +107,7 @@ class FusedAllreduce:
         names: Sequence[str] | None = None,
         timeline: NullTimeline | None = None,
         threshold_bytes: int,
+        first_bucket_bytes: int | None = None,
         group: Any,
         world_size: int,
         stats: CommStats,
@@ -112,7 +122,7 @@ class FusedAllreduce:
         self.buckets: list[Bucket] = []
         self._next_launch = 0
         self._slot: dict[int, tuple[Bucket, int]] = {}
-        for number, indices in enumerate(plan_buckets(params, threshold_bytes)):
+        for number, indices in enumerate(plan_buckets(params, threshold_bytes, first_bucket_bytes)):
             members = [params[i] for i in indices]
             offsets, total = [], 0
             for param in members:
@@ -207,13 +217,19 @@ class FusedAllreduce:
             else:
                 param.grad.copy_(averaged)
 
+    def launch_remaining(self) -> None:
+        """Launch, in bucket order, the buckets backward did not complete (parameters that
+        got no gradient this step: zeros stand in). After it, every rank has issued the
+        same collectives in the same order."""
+        for bucket in self.buckets[self._next_launch :]:
+            self._queue(bucket)
+            self._launch(bucket)
+        self._next_launch = len(self.buckets)
+
     def finish(self) -> None:
         """Wait for every bucket, write averaged gradients into ``param.grad``, reset."""
         started = time.perf_counter()
-        for bucket in self.buckets[self._next_launch :]:
-            # Buckets with parameters that got no gradient this step: zeros stand in.
-            self._queue(bucket)
-            self._launch(bucket)
+        self.launch_remaining()
         self._next_launch = 0
         for bucket in self.buckets:
             with self.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor=bucket.name):

@@ -2,29 +2,56 @@
 
 Gradient-ready hooks feed fusion buffers; each full buffer is allreduced asynchronously
 while backward continues; ``step`` waits, averages and updates. With fp16 compression the
-buffers travel as float16 (Horovod's ``Compression.fp16``).
+buffers travel as float16 (Horovod's ``Compression.fp16``). Sparse gradients (embeddings
+with ``sparse=True``) are allgathered as (indices, rows), as Horovod's DistributedOptimizer
+does, unless ``--sparse-as-dense`` densifies them into the fusion buffers.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from torch import nn
 
 from gradsync.comm.fusion import FusedAllreduce
+from gradsync.comm.row_allgather import RowAllgather
 from gradsync.config import TrainConfig
 from gradsync.options import StrategyOptions, option
+from gradsync.probe import sparse_lookup_weights
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 
 
 @dataclass(frozen=True, kw_only=True)
-class AllreduceOptions(StrategyOptions):
-    """Horovod's fusion buffer and gradient compression."""
+class FusionOptions(StrategyOptions):
+    """Horovod's fusion buffer and gradient compression (``hybrid``'s dense path too)."""
 
     fusion_threshold_mb: float = option(
         64.0, help="fusion buffer size in MB; 0 disables fusion", metavar="MB", at_least=0
     )
+    first_bucket_mb: float = option(
+        0.0,
+        help="cap of the first bucket (the gradients backward produces first), so they leave "
+        "before a full buffer is ready, as DDP's 1 MB first bucket; 0: no cap",
+        metavar="MB",
+        at_least=0,
+    )
     fp16_compression: bool = option(False, help="allreduce gradients as float16")
+
+    @property
+    def first_bucket_bytes(self) -> int | None:
+        return int(self.first_bucket_mb * 2**20) if self.first_bucket_mb > 0 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllreduceOptions(FusionOptions):
+    """``allreduce``'s options: the fusion buffer's, and how sparse gradients travel."""
+
+    sparse_as_dense: bool = option(
+        False,
+        help="densify sparse gradients into the fusion buffers (Horovod's sparse_as_dense) "
+        "instead of allgathering the rows each worker touched",
+    )
 
 
 class HorovodAllreduce(Strategy):
@@ -39,11 +66,21 @@ class HorovodAllreduce(Strategy):
         broadcast_parameters(model, context.worker_group)
         options = context.config.strategy_options
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        sparse = set() if options.sparse_as_dense else sparse_lookup_weights(model)
+        self.rows = RowAllgather(
+            [(name, p) for name, p in named if name in sparse],
+            group=context.worker_group,
+            world_size=context.num_workers,
+            stats=self.counters,
+            timeline=context.timeline,
+        )
+        named = [(name, p) for name, p in named if name not in sparse]
         self.fused = FusedAllreduce(
             [p for _, p in named],
             names=[name for name, _ in named],
             timeline=context.timeline,
             threshold_bytes=int(options.fusion_threshold_mb * 2**20),
+            first_bucket_bytes=options.first_bucket_bytes,
             group=context.worker_group,
             world_size=context.num_workers,
             stats=self.counters,
@@ -55,7 +92,17 @@ class HorovodAllreduce(Strategy):
 
     def step(self) -> None:
         assert self.updater is not None
+        if self.rows.params:
+            # After the last bucket's launch, so every rank issues the same order.
+            self.fused.launch_remaining()
+            started = time.perf_counter()
+            self.rows.launch()
+            self.counters.exposed_comm_s += time.perf_counter() - started
         self.fused.finish()
+        if self.rows.params:
+            started = time.perf_counter()
+            self.rows.finish()
+            self.counters.exposed_comm_s += time.perf_counter() - started
         self.updater.update()
 
     def expected_difference(self, config: TrainConfig) -> str | None:

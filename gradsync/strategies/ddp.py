@@ -1,4 +1,5 @@
-"""``ddp``: PyTorch DistributedDataParallel, untouched: the native baseline."""
+"""``ddp``: PyTorch DistributedDataParallel as torch ships it (its reducer, buckets and default
+allreduce hook, wrapped only to count bytes): the native baseline."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.comm.counters import ring_allreduce_bytes
+from gradsync.comm.counters import tensor_bytes
 from gradsync.config import TrainConfig
 from gradsync.data.base import shard_bounds
 from gradsync.errors import UserError
@@ -40,12 +42,15 @@ class NativeDDP(Strategy):
     parameter unused on every worker with ``grad = None`` and averages one used on some
     workers with zeros from the others, as ``single`` computes it.
 
-    Bytes are counted with the ring model from the gradient size, since DDP's reducer is
-    not instrumented (registering a hook would no longer be "untouched").
+    Bytes: a communication hook counts each bucket DDP hands it and then runs torch's
+    default ``allreduce_hook`` on it, so the reduction is DDP's own. Dense buckets are
+    counted as a ring allreduce of their size; a sparse gradient (its own bucket) as Gloo's
+    sparse allreduce, an allgather of its coalesced indices and values — bytes proportional
+    to the rows touched. Buffers broadcast from rank 0 before each forward are counted too.
     """
 
     name = "ddp"
-    summary = "torch DistributedDataParallel, untouched (native baseline)"
+    summary = "torch DistributedDataParallel, its own reducer and hook (native baseline)"
     probes_gradients = True
     Options = DDPOptions
 
@@ -92,10 +97,9 @@ class NativeDDP(Strategy):
             find_unused_parameters=find_unused,
             bucket_cap_mb=context.config.strategy_options.bucket_cap_mb,
         )
+        wrapped.register_comm_hook(context.worker_group, self._counting_allreduce)
         self.updater = context.make_updater(model.parameters())
-        self._grad_bytes = sum(
-            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
-        )
+        self._buffer_bytes = sum(tensor_bytes(b) for b in model.buffers())
         return wrapped if find_unused else _UnusedParameterHint(wrapped)
 
     @staticmethod
@@ -112,13 +116,45 @@ class NativeDDP(Strategy):
             )
         return bool(missing)
 
+    def _counting_allreduce(self, group, bucket):  # type: ignore[no-untyped-def]
+        """Count the bucket's bytes, then reduce it exactly as DDP's default hook does.
+
+        (Unannotated: DDP compares the annotations with dist.GradBucket and
+        Future[Tensor], and ``from __future__ import annotations`` makes them strings.)
+        """
+        assert self.context is not None
+        gradient, workers = bucket.buffer(), self.context.num_workers
+        if gradient.is_sparse:
+            gradient = gradient.coalesce()  # what Gloo sends; coalescing twice is free
+            self.counters.add_sparse_allreduce(gradient, workers)
+        else:
+            self.counters.add_allreduce(tensor_bytes(gradient), workers)
+        return default_hooks.allreduce_hook(group, _Bucket(gradient))
+
     def step(self) -> None:
         assert self.updater is not None and self.context is not None
         # DDP has already averaged the gradients during backward.
-        moved = ring_allreduce_bytes(self._grad_bytes, self.context.num_workers)
-        self.counters.bytes_sent += moved
-        self.counters.bytes_recv += moved
+        self._count_buffer_broadcast()
         self.updater.update()
+
+    def _count_buffer_broadcast(self) -> None:
+        """DDP broadcasts rank 0's buffers (e.g. BatchNorm statistics) before every forward."""
+        workers = self.context.num_workers if self.context else 1
+        if self._buffer_bytes and workers > 1:
+            if self.context.worker_index == 0:
+                self.counters.bytes_sent += (workers - 1) * self._buffer_bytes
+            else:
+                self.counters.bytes_recv += self._buffer_bytes
+
+
+class _Bucket:
+    """The one thing ``allreduce_hook`` reads from a bucket: its (possibly coalesced) buffer."""
+
+    def __init__(self, gradient: torch.Tensor) -> None:
+        self._gradient = gradient
+
+    def buffer(self) -> torch.Tensor:
+        return self._gradient
 
 
 class _UnusedParameterHint(nn.Module):

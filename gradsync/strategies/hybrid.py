@@ -63,13 +63,13 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.options import InvalidOption, option
 from gradsync.probe import lookup_tables
-from gradsync.strategies.allreduce import AllreduceOptions
+from gradsync.strategies.allreduce import FusionOptions
 from gradsync.strategies.base import Context, ServerOptions, ServerStrategy, broadcast_parameters
 from gradsync.trace import COMPUTE, Phase
 
 
 @dataclass(frozen=True, kw_only=True)
-class HybridOptions(ServerOptions, AllreduceOptions):
+class HybridOptions(ServerOptions, FusionOptions):
     """Parallax's switches: where the sparse servers run, how rows are split and summed,
     which variables count as sparse; the dense path takes allreduce's options.
 
@@ -345,6 +345,7 @@ class Hybrid(ServerStrategy):
             names=[n for n, _ in dense],
             timeline=context.timeline,
             threshold_bytes=int(options.fusion_threshold_mb * 2**20),
+            first_bucket_bytes=options.first_bucket_bytes,
             group=context.worker_group,
             world_size=context.num_workers,
             stats=self.counters,

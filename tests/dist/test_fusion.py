@@ -283,8 +283,9 @@ def _sparse_embedding(rank: int, world_size: int, threshold: int) -> dict:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("threshold", [0, 64 << 20], ids=["unfused", "large"])
 def test_sparse_embedding_gradient_is_densified_and_averaged(run_ranks, world_size, threshold):
+    """The fusion path (``--sparse-as-dense``): a sparse gradient travels densified."""
     results = run_ranks(world_size, _sparse_embedding, threshold)
-    dense_bytes = (20 * 4 + 4 * 2 + 2) * 4
+    dense_bytes = (20 * 4 + 4 * 2 + 2 + 3) * 4  # + one had-a-gradient flag per parameter
     for result in results:
         for record in result["records"]:
             assert record["was_sparse"] and not record["sparse_after"]

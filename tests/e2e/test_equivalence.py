@@ -110,10 +110,31 @@ def test_sparse_adversary_matches_single(workdir: Path) -> None:
         "12",
         "--global-batch",
         "16",
-        strategies="allreduce,ps,ps:colocate,hybrid,hybrid:colocate,p3",
+        strategies="allreduce,allreduce:sparse_as_dense=true,ps,ps:colocate,hybrid,"
+        "hybrid:colocate,p3",
     )
     log = (workdir / "verify" / "hybrid-w2" / "stdout.log").read_text()
     assert "tied.weight [12×8]: dense" in log and "lookup.weight [12×8]: sparse" in log
+
+
+def test_sparse_lstm_allgather_and_sparse_as_dense_match_single(workdir: Path) -> None:
+    """lstm-lm with sparse embeddings and sampled softmax: allreduce allgathers the rows
+    (Horovod's default) or densifies them (--sparse-as-dense); ddp reduces them sparsely."""
+    _verify(
+        workdir,
+        "--model",
+        "lstm-lm",
+        "--preset",
+        "tiny",
+        "--model-option",
+        "sparse=true",
+        "--model-option",
+        "sampled_softmax=5",
+        "--steps",
+        "6",
+        strategies="ddp,allreduce,allreduce:sparse_as_dense=true",
+        workers=(2,),
+    )
 
 
 def test_adversarial_data_exercises_every_gating_case() -> None:
@@ -286,3 +307,34 @@ def test_a_loss_summed_over_samples_gets_the_diagnosis(workdir: Path) -> None:
     assert result.returncode == 1, result.stdout + result.stderr
     assert {o["verdict"] for o in verify_outcomes(workdir / "verify")} == {"reference", "FAIL"}
     assert "diagnosis:" in result.stdout and "not a mean over the samples" in result.stdout
+
+
+def test_local_batchnorm_is_an_expected_difference(workdir: Path) -> None:
+    """--batchnorm local: each worker normalizes its own shard, in every strategy; verify
+    names it as the reason and shows the distance, and does not fail."""
+    out = workdir / "verify"
+    result = gradsync(
+        "verify",
+        "--model",
+        "resnet56",
+        "--preset",
+        "tiny",
+        "--steps",
+        "2",
+        "--batchnorm",
+        "local",
+        "--strategies",
+        "ddp,allreduce",
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        cwd=workdir,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for outcome in verify_outcomes(out):
+        if outcome["strategy"] != "single":
+            assert outcome["verdict"] == "differs (expected)", outcome
+            assert "--batchnorm local" in outcome["reason"]
+            assert outcome["max_abs"] > FLOAT64_TOLERANCE

@@ -90,7 +90,7 @@ def test_trace_is_valid_and_bounded_by_the_window(strategy: str, workdir: Path) 
     }
     assert len(summary.steps) == 2 * 4
     for step in summary.steps:
-        parts = step.compute_ms + step.exposed_comm_ms + step.idle_ms
+        parts = step.compute_ms + step.copy_ms + step.exposed_comm_ms + step.idle_ms
         measured = metrics[(step.rank, step.step)]
         assert parts == pytest.approx(measured, rel=0.05)
 

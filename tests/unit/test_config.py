@@ -208,7 +208,12 @@ def test_to_json_is_plain_sorted_json_with_nested_objects():
     raw = json.loads(_full_config().to_json())
     assert list(raw) == sorted(raw)
     assert raw["optim"]["name"] == "adam"
-    assert raw["strategy_options"] == {"fp16_compression": True, "fusion_threshold_mb": 0.5}
+    assert raw["strategy_options"] == {
+        "first_bucket_mb": 0.0,
+        "fp16_compression": True,
+        "fusion_threshold_mb": 0.5,
+        "sparse_as_dense": False,
+    }
     assert raw["launch"]["num_nodes"] == 2
 
 

@@ -135,3 +135,46 @@ def test_comm_stats_accumulate_and_copy_is_independent():
     stats.exposed_comm_s += 1.5
     assert (snapshot.bytes_sent, snapshot.exposed_comm_s) == (700, 0.0)
     assert (stats.bytes_sent, stats.exposed_comm_s) == (1700, 1.5)
+
+
+def test_row_buffers_round_trip_several_variables() -> None:
+    from gradsync.comm.row_allgather import pack_rows, unpack_rows
+
+    rows = [
+        (torch.tensor([4, 9]), torch.arange(6, dtype=torch.float64).view(2, 3)),
+        (torch.tensor([], dtype=torch.long), torch.zeros(0, 1, dtype=torch.float64)),
+        (torch.tensor([0]), torch.full((1, 1), 7.0, dtype=torch.float64)),
+    ]
+    buffer = pack_rows(rows)
+    assert buffer.numel() == 2 * 8 + 6 * 8 + 0 + 1 * 8 + 1 * 8
+    padded = torch.cat([buffer, torch.zeros(5, dtype=torch.uint8)])  # allgather pads
+    back = unpack_rows(padded, [2, 0, 1], [3, 1, 1], torch.float64)
+    for (indices, values), (want_i, want_v) in zip(back, rows, strict=True):
+        assert torch.equal(indices, want_i) and torch.equal(values, want_v)
+
+
+def test_first_bucket_cap_applies_to_the_first_bucket_only() -> None:
+    # Ten 10-float parameters (40 bytes each); backward produces the last first.
+    params = _params(*[10] * 10)
+    assert plan_buckets(params, threshold_bytes=160, first_bucket_bytes=40) == [
+        [9],
+        [8, 7, 6, 5],
+        [4, 3, 2, 1],
+        [0],
+    ]
+    # A first parameter above the cap still travels, alone.
+    assert plan_buckets(_params(4, 100, 50), threshold_bytes=1000, first_bucket_bytes=8) == [
+        [2],
+        [1, 0],
+    ]
+
+
+def test_allreduce_bucket_and_sparse_options() -> None:
+    from gradsync.errors import UserError
+    from gradsync.strategies.allreduce import AllreduceOptions
+
+    with pytest.raises(UserError, match=r"--first-bucket-mb must be >= 0, got -1\.0"):
+        AllreduceOptions(first_bucket_mb=-1.0)
+    assert AllreduceOptions().first_bucket_bytes is None
+    assert AllreduceOptions(first_bucket_mb=1.0).first_bucket_bytes == 1 << 20
+    assert not AllreduceOptions().sparse_as_dense

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.timeline_summary import close_spans, summarize_trace
+from gradsync.timeline_summary import (
+    close_spans,
+    intersect,
+    length_ms,
+    merge,
+    subtract,
+    summarize_trace,
+)
 from gradsync.trace import COMPUTE, NullTimeline, Phase, Timeline, merge_rank_files, parse_window
 
 
@@ -87,6 +94,76 @@ def test_summary_splits_a_step_exactly(tmp_path: Path) -> None:
     assert summary.ranks[0].overlap_ratio == pytest.approx(0.5)
     assert summary.top_tensors == [{"tensor": "bucket0", "comm_ms": 4.0, "bytes": 100}]
     assert summary.slowest_steps[0]["step_ms"] == pytest.approx(10)
+
+
+def _sorted(events: list[dict]) -> list[dict]:
+    # Per track in time order; at a tie an end closes before the next span begins.
+    return sorted(events, key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"))
+
+
+def test_copies_are_their_own_phase_and_overlap_counts_transfers_only(tmp_path: Path) -> None:
+    # A 20 ms step. Forward 0–4 holds a 1 ms blocking pull (WAIT_FOR_PARAMS, nested);
+    # backward 4–10 holds a 1 ms copy into the fusion buffer (8–9) on the bucket's track;
+    # the allreduce runs 9–14, the training thread waits 10–14, copies out 14–15,
+    # steps the optimizer 15–17 and is idle 17–20.
+    events = _sorted(
+        _span("STEP", 0, 20_000)
+        + _span("FORWARD", 0, 4000)
+        + _span("FORWARD:embedding", 0, 2000)
+        + _span("WAIT_FOR_PARAMS", 1000, 2000)
+        + _span("BACKWARD", 4000, 10_000)
+        + _span("COMM_WAIT", 10_000, 14_000)
+        + _span("OPTIMIZER_STEP", 15_000, 17_000)
+        + _span("PULL", 1000, 2000, tid=2, tensor="embedding", bytes=10)
+        + _span("QUEUE", 5000, 8000, tid=1, tensor="bucket0")
+        + _span("MEMCPY_IN_FUSION_BUFFER", 8000, 9000, tid=1, tensor="bucket0")
+        + _span("ALLREDUCE", 9000, 14_000, tid=1, tensor="bucket0", bytes=100)
+        + _span("MEMCPY_OUT_FUSION_BUFFER", 14_000, 15_000, tid=1, tensor="bucket0")
+    )
+    summary = summarize_trace(_trace(tmp_path, events))
+    (step,) = summary.steps
+    assert step.compute_ms == pytest.approx(3 + 5 + 2)
+    assert step.copy_ms == pytest.approx(2)
+    assert step.exposed_comm_ms == pytest.approx(1 + 4)
+    assert step.idle_ms == pytest.approx(3)
+    assert step.compute_ms + step.copy_ms + step.exposed_comm_ms + step.idle_ms == pytest.approx(
+        step.step_ms
+    )
+    # Transfers: the pull (1 ms, blocked on) and the allreduce (5 ms, 1 ms under backward).
+    assert step.comm_ms == pytest.approx(6)
+    assert step.hidden_comm_ms == pytest.approx(1)
+    assert summary.ranks[0].overlap_ratio == pytest.approx(1 / 6)
+    assert [t["tensor"] for t in summary.top_tensors] == ["bucket0", "embedding"]
+    assert summary.top_tensors[0]["comm_ms"] == pytest.approx(5)
+
+
+def test_copies_alone_are_no_communication(tmp_path: Path) -> None:
+    # One worker: the copy into the fusion buffer during backward is all there is.
+    events = _sorted(
+        _span("STEP", 0, 10_000)
+        + _span("BACKWARD", 0, 6000)
+        + _span("MEMCPY_IN_FUSION_BUFFER", 4000, 6000, tid=1, tensor="bucket0")
+        + _span("MEMCPY_OUT_FUSION_BUFFER", 6000, 7000, tid=1, tensor="bucket0")
+    )
+    summary = summarize_trace(_trace(tmp_path, events))
+    (step,) = summary.steps
+    assert (step.compute_ms, step.copy_ms, step.idle_ms) == pytest.approx((4, 3, 3))
+    assert step.comm_ms == 0 and step.exposed_comm_ms == 0
+    assert summary.ranks[0].overlap_ratio is None
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "both", "a_only"),
+    [
+        ([(0, 10)], [(2, 3), (8, 12)], [(2, 3), (8, 10)], [(0, 2), (3, 8)]),
+        ([(0, 1), (5, 6)], [(1, 5)], [], [(0, 1), (5, 6)]),
+        ([(0, 4)], [(0, 4)], [(0, 4)], []),
+    ],
+)
+def test_interval_arithmetic(a, b, both, a_only) -> None:
+    assert intersect(a, b) == both
+    assert subtract(a, b) == a_only
+    assert length_ms(merge(a + b)) == pytest.approx(length_ms(a_only) + length_ms(b))
 
 
 def test_close_spans_nests() -> None:

@@ -1,0 +1,74 @@
+"""Interleaved rounds of several `gradsync train` variants: samples/s and bytes side by side.
+
+Each round runs every variant once, in order (A, B, C, A, B, C, …), so load on a shared
+machine hits them alike; the table shows the median and min–max over rounds of each run's
+samples/s, its median ratio to the first variant (taken within each round), bytes sent per
+step per worker, and the 1-minute load average before each run. Every variant gets the
+common arguments, so they run the same workload; the script prints them.
+
+    python benchmarks/interleaved.py --rounds 3 \\
+        --common "--model transformer --workers 2 --threads 1 --steps 12 --deterministic" \\
+        "ddp=--strategy ddp" "allreduce=--strategy allreduce"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run(args: list[str], out: Path) -> dict:
+    """One `gradsync train`; its summary.json."""
+    command = [sys.executable, "-m", "gradsync", "train", "--out", str(out), *args]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{shlex.join(command)} failed:\n{done.stderr[-2000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    return (
+        f"{statistics.median(values):.{digits}f} "
+        f"({min(values):.{digits}f}–{max(values):.{digits}f})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="+", help="NAME=ARGS (gradsync train arguments)")
+    parser.add_argument("--common", default="", help="arguments every variant gets")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="runs/interleaved")
+    args = parser.parse_args()
+    variants = dict(v.split("=", 1) for v in args.variants)
+    common = shlex.split(args.common)
+    print(f"held equal (every variant): {args.common}", flush=True)
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    sent: dict[str, list[float]] = {name: [] for name in variants}
+    loads: list[float] = []
+    for round_ in range(args.rounds):
+        for name, extra in variants.items():
+            loads.append(os.getloadavg()[0])
+            summary = run([*common, *shlex.split(extra)], Path(args.out) / f"{name}-r{round_}")
+            rates[name].append(summary["throughput"]["median"])
+            sent[name].append(summary["bytes_sent_per_step"])
+            print(f"round {round_ + 1} {name}: {rates[name][-1]:.2f} samples/s", flush=True)
+    first = next(iter(variants))
+    print(f"\n{args.rounds} interleaved rounds; load average {spread(loads)}")
+    print(f"{'variant':28} {'samples/s median (min–max)':>30} {'vs ' + first:>10} {'MB/step':>9}")
+    for name in variants:
+        ratio = statistics.median(a / b for a, b in zip(rates[name], rates[first], strict=True))
+        print(
+            f"{name:28} {spread(rates[name], 2):>30} {ratio:>9.2f}× "
+            f"{statistics.median(sent[name]) / 1e6:>9.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

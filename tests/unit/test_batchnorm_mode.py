@@ -1,0 +1,57 @@
+"""``--batchnorm global|local``: validated up front; local is an expected difference."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from gradsync.comm.batchnorm import has_batchnorm
+from gradsync.config import TrainConfig
+from gradsync.errors import UserError
+from gradsync.verify import batchnorm_difference, verdict_for
+
+
+def test_unknown_mode_is_one_line_naming_both_modes() -> None:
+    with pytest.raises(UserError) as raised:
+        TrainConfig(batchnorm="sync")
+    message = str(raised.value)
+    assert "--batchnorm 'sync'" in message and "global" in message and "local" in message
+    assert "\n" not in message
+
+
+def test_local_batchnorm_is_an_expected_difference_only_when_it_can_differ() -> None:
+    local = TrainConfig(strategy="ddp", workers=2, batchnorm="local")
+    assert batchnorm_difference(local) is not None
+    assert batchnorm_difference(TrainConfig(strategy="ddp", workers=2)) is None
+    assert batchnorm_difference(TrainConfig(strategy="ddp", workers=1, batchnorm="local")) is None
+    # A model without BatchNorm matches; one with it differs, and says why.
+    assert verdict_for(local, 1e-12, 1e-9)[0] == "match"
+    verdict, reason = verdict_for(local, 3e-3, 1e-9)
+    assert verdict == "differs (expected)" and "--batchnorm local" in reason
+
+
+def test_has_batchnorm_finds_nested_layers() -> None:
+    assert has_batchnorm(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.BatchNorm2d(2))))
+    assert not has_batchnorm(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
+
+
+def test_flags_of_this_work_parse_into_the_config() -> None:
+    from gradsync.cli import _config, _strategy_options, build_parser
+
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--batchnorm",
+            "local",
+            "--sparse-as-dense",
+            "--first-bucket-mb",
+            "1",
+        ]
+    )
+    assert _config(args).batchnorm == "local"
+    options = _strategy_options("allreduce", args)
+    assert options.sparse_as_dense and options.first_bucket_bytes == 1 << 20
