@@ -113,3 +113,25 @@ def test_colocated_server_thread_serves_its_own_worker_and_the_other(run_ranks) 
         # Only the remote shard crosses the network: one push of 2 values and a flag, one
         # pull of 2 values.
         assert (sent, received) == (HEADER_BYTES + value * 3, HEADER_BYTES + value * 2)
+
+
+def _loaded(rank: int, world_size: int) -> list:
+    """Worker 0 installs a saved state on the server (resume) before the first push."""
+    if rank == 2:
+        inbox, policy, _ = _server(2, None, 3)
+        serve(inbox, policy, num_workers=2)
+        return []
+    client = Client(worker=rank, sizes=[3], push_sizes=[4], servers=[2], group=None, timeout_s=20)
+    if rank == 0:
+        client.load_state([{"values": torch.full((3,), 5.0)}])
+    client.push_buffers[0][:] = 1.0
+    client.push_pull(0)
+    state = client.request_state() if rank == 0 else None
+    client.done()
+    return [client.pull_buffers[0].tolist(), None if state is None else state[0]]
+
+
+def test_a_server_loaded_from_a_checkpoint_continues_from_it(run_ranks) -> None:
+    worker0, worker1, _ = run_ranks(3, _loaded)
+    assert worker0[0] == worker1[0] == [5.0 - LR] * 3  # mean gradient 1 at lr 0.5
+    assert worker0[1]["values"].tolist() == [5.0 - LR] * 3
