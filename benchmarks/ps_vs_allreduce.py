@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from gradsync.comm.placement import Variable, plan_placement
-from gradsync.comm.pushpull import HEADER
+from gradsync.comm.wire import HEADER
 from gradsync.config import TrainConfig
 from gradsync.jobs import run_job
 from gradsync.models import build_workload
@@ -46,7 +46,7 @@ def expected_server_bytes(args: argparse.Namespace, ps: PSOptions) -> list[int]:
         threshold_bytes=int(ps.partition_threshold_mb * 2**20),
     )
     remote = args.workers - 1 if ps.colocate else args.workers
-    return [(b + 4 * HEADER) * remote for b in plan.bytes_per_server()]
+    return [(b + 8 * HEADER) * remote for b in plan.bytes_per_server()]  # float64 header
 
 
 def main() -> None:

@@ -96,8 +96,9 @@ class DenseServer(ServerPolicy):
                 total = sum_in_order(pushes, scale=1.0 / self.num_workers)
             with self.timeline.span(self.track, Phase.SERVER_APPLY, **span):
                 self._apply(total, step)
+            values = self.state.values.clone()  # one copy, sent to every worker
             for worker in range(self.num_workers):
-                self._answer(worker, step)
+                self._answer(worker, step, values)
 
     def _on_async_push(self, message: Message) -> None:
         step = message.step
@@ -123,10 +124,12 @@ class DenseServer(ServerPolicy):
         present = payload[size:].gt(0).tolist()
         self.state.apply(payload[:size], step, present=present)
 
-    def _answer(self, worker: int, step: int) -> None:
+    def _answer(self, worker: int, step: int, values: Tensor | None = None) -> None:
+        """Send ``worker`` the values after ``step`` (a copy of them unless given)."""
+        values = self.state.values.clone() if values is None else values
         header = Header(Kind.REPLY, step=step, lr=self.state.lr)
         tally = self.metrics.tally(step)
-        tally.bytes_sent += self.outbox.send(worker, header, [self.state.values.clone()])
+        tally.bytes_sent += self.outbox.send(worker, header, [values])
         tally.replies += 1
 
     def _report_complete(self) -> None:

@@ -19,7 +19,9 @@ parameter servers, dense variables through allreduce.
 
 Sparse optimizer rule: torch's ``SGD`` on a sparse gradient (what ``single`` runs) keeps a
 sparse momentum buffer over every row ever touched and moves all of them each step; the
-servers do exactly that, so ``hybrid`` matches ``single``. Adam refuses sparse gradients in
+servers do exactly that, lazily (:mod:`gradsync.comm.lazy`: a row is caught up in closed
+form when next pulled or saved), so ``hybrid`` matches ``single`` and a step costs what
+its rows cost. Adam refuses sparse gradients in
 torch, and weight decay densifies them, so both are refused for sparse variables.
 """
 

@@ -23,13 +23,18 @@ Why it is safe to write a parameter from a receiver thread: its slices are sent 
 its gradient is fully accumulated (no backward node reads it any more in this step), and
 the next read is its layer's next forward, which waits until every slice has arrived.
 
+Servers are dedicated ranks (``--servers S``) or threads of the workers (``--colocate``:
+worker k serves shard k; its own slices are handed over in the process). The server side is
+the toolkit's (:mod:`gradsync.comm.server`) with :class:`~gradsync.comm.priority.P3Server`
+as its policy: a round per slice, answers in priority order.
+
 Transport: two process groups, one per direction (worker → server on ``push``, server →
 worker on ``pull``); on each, exactly one thread sends to a given peer and one receives
-from it, so messages between a pair arrive in order. A message is a float64 header
-``[kind, worker, step, slice, priority, length, lr]`` followed by ``length`` payload
-values. Every wait is bounded by ``--timeout``; a peer that dies breaks its connection,
-the thread that sees it records the error and the training thread raises it at its next
-wait.
+from it, so messages between a pair arrive in order. A message is the toolkit's float64
+header (:mod:`gradsync.comm.wire`: ``index`` is the slice, ``priority`` its layer)
+followed by ``length`` payload values. Every wait is bounded by ``--timeout``; a peer that
+dies breaks its connection, the thread that sees it records the error and the training
+thread raises it at its next wait.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ def _dedicated(rank: int, world_size: int, synchronous: bool) -> list:
     if rank == 2:
         inbox, policy, records = _server(workers, None, size, synchronous)
         serve(inbox, policy, num_workers=workers)
-        return [(r.step, r.bytes_recv, r.bytes_sent) for r in records]
+        rounds = [(r.step, r.bytes_recv, r.bytes_sent) for r in records]
+        return [rounds, policy.state.values.tolist()]  # after every worker's DONE
     client = Client(
         worker=rank, sizes=[size], push_sizes=[size + 1], servers=[2], group=None, timeout_s=20
     )
@@ -66,7 +67,7 @@ def _dedicated(rank: int, world_size: int, synchronous: bool) -> list:
 
 
 def test_sync_server_averages_pushes_and_answers_everyone(run_ranks) -> None:
-    worker0, worker1, rounds = run_ranks(3, _dedicated, True)
+    worker0, worker1, (rounds, _) = run_ranks(3, _dedicated, True)
     # Mean gradient 1.5 per step at lr 0.5: the values go -0.75, -1.5, -2.25.
     expected = [[-0.75 * (s + 1)] * 3 for s in range(3)]
     assert worker0[0] == expected and worker1[0] == expected
@@ -78,9 +79,11 @@ def test_sync_server_averages_pushes_and_answers_everyone(run_ranks) -> None:
 
 
 def test_async_server_applies_every_push(run_ranks) -> None:
-    worker0, _, rounds = run_ranks(3, _dedicated, False)
+    _, _, (rounds, final) = run_ranks(3, _dedicated, False)
     # Six pushes, each scaled by 1/2: the final values are the same as the sync run's.
-    assert worker0[1] == [-2.25] * 3
+    # (Read on the server after both workers are done: worker 0's own state request may
+    # come before worker 1's last push.)
+    assert final == [-2.25] * 3
     assert len(rounds) == 3
 
 
@@ -113,3 +116,25 @@ def test_colocated_server_thread_serves_its_own_worker_and_the_other(run_ranks) 
         # Only the remote shard crosses the network: one push of 2 values and a flag, one
         # pull of 2 values.
         assert (sent, received) == (HEADER_BYTES + value * 3, HEADER_BYTES + value * 2)
+
+
+def _loaded(rank: int, world_size: int) -> list:
+    """Worker 0 installs a saved state on the server (resume) before the first push."""
+    if rank == 2:
+        inbox, policy, _ = _server(2, None, 3)
+        serve(inbox, policy, num_workers=2)
+        return []
+    client = Client(worker=rank, sizes=[3], push_sizes=[4], servers=[2], group=None, timeout_s=20)
+    if rank == 0:
+        client.load_state([{"values": torch.full((3,), 5.0)}])
+    client.push_buffers[0][:] = 1.0
+    client.push_pull(0)
+    state = client.request_state() if rank == 0 else None
+    client.done()
+    return [client.pull_buffers[0].tolist(), None if state is None else state[0]]
+
+
+def test_a_server_loaded_from_a_checkpoint_continues_from_it(run_ranks) -> None:
+    worker0, worker1, _ = run_ranks(3, _loaded)
+    assert worker0[0] == worker1[0] == [5.0 - LR] * 3  # mean gradient 1 at lr 0.5
+    assert worker0[1]["values"].tolist() == [5.0 - LR] * 3
