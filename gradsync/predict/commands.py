@@ -60,6 +60,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--steps", type=_positive, default=10)
     profile.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     profile.add_argument("--threads", type=_positive, default=1, help="intra-op threads")
+    profile.add_argument(
+        "--concurrent",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="K ranks compute at once (K-1 sibling processes), as K ranks share a machine",
+    )
     profile.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     profile.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     profile.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
@@ -155,12 +162,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         optimizer=args.optimizer,
+        concurrent=args.concurrent,
     )
     profile = measure_profile(request)
     profile.save(Path(args.out))
     print(
         f"{profile.model} ({profile.preset}), batch {profile.batch}/worker, "
-        f"{profile.threads} thread(s): forward {profile.forward_s * 1e3:.1f} ms, backward "
+        f"{profile.threads} thread(s), {profile.concurrent} rank(s) at once: forward "
+        f"{profile.forward_s * 1e3:.1f} ms, backward "
         f"{profile.backward_s * 1e3:.1f} ms, {len(profile.variables)} variables, "
         f"{profile.num_bytes / 2**20:.1f} MiB; profile in {args.out}"
     )

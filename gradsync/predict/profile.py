@@ -87,6 +87,7 @@ class Profile:
     threads: int
     device: str
     dtype: str = "float32"
+    concurrent: int = 1
     steps: int
     warmup: int
     forward_s: float
@@ -176,8 +177,11 @@ class ProfileRequest:
     dtype: str = "float32"
     optimizer: str = "sgd"
     seed: int = 0
+    concurrent: int = 1
 
     def check(self) -> None:
+        if self.concurrent < 1:
+            raise UserError(f"--concurrent must be a positive integer, got {self.concurrent}")
         if self.steps <= self.warmup:
             raise UserError(
                 f"--steps {self.steps} leaves nothing after {self.warmup} warm-up steps; "
@@ -191,8 +195,69 @@ def measure_profile(request: ProfileRequest) -> Profile:
     """Run ``request.steps`` single-worker steps of the model and return their profile.
 
     The batch is ``request.batch`` samples, or the preset's global batch split over
-    ``request.workers`` (the shard one worker of a ``--workers N`` run computes).
+    ``request.workers`` (the shard one worker of a ``--workers N`` run computes). With
+    ``concurrent`` k > 1, k − 1 sibling processes compute the same steps meanwhile, so the
+    profile sees the cores shared as k ranks of one machine share them.
     """
+    request.check()
+    with _Siblings(request):
+        return _measure(request)
+
+
+class _Siblings:
+    """``request.concurrent - 1`` processes running the profiled steps until the exit."""
+
+    def __init__(self, request: ProfileRequest) -> None:
+        import multiprocessing
+
+        # fork: the siblings start at once (torch is imported already; 1 thread each).
+        context = multiprocessing.get_context("fork")
+        self.stop = context.Event()
+        self.ready = context.Semaphore(0)
+        self.processes = [
+            context.Process(target=_sibling, args=(request, self.stop, self.ready), daemon=True)
+            for _ in range(request.concurrent - 1)
+        ]
+
+    def __enter__(self) -> _Siblings:
+        for process in self.processes:
+            process.start()
+        for _ in self.processes:  # each has built its model and started computing
+            self.ready.acquire(timeout=120)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:
+    """A sibling: forward, backward and update of the same batch until told to stop."""
+    import torch
+
+    from gradsync.models import build_workload
+
+    torch.set_num_threads(request.threads)
+    torch.set_default_dtype(getattr(torch, request.dtype))
+    workload = build_workload(
+        request.model, preset=request.preset, dropout=False, options=request.model_options
+    )
+    batch = request.batch or max(1, workload.global_batch // request.workers)
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=1e-3)
+    ready.release()
+    step = 0
+    while not stop.is_set():
+        data = workload.dataset.batch(step=step, size=batch, start=0, stop=batch)
+        workload.loss(workload.model(*data.inputs, **data.shared), data.targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+
+def _measure(request: ProfileRequest) -> Profile:
     import torch
 
     from gradsync.comm.layer_order import LayerOrder
@@ -200,7 +265,6 @@ def measure_profile(request: ProfileRequest) -> Profile:
     from gradsync.models import build_workload
     from gradsync.optim import Updater
 
-    request.check()
     if request.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; profile on cpu")
     torch.set_num_threads(request.threads)
@@ -333,6 +397,7 @@ def _assemble(
         threads=request.threads,
         device=request.device,
         dtype=request.dtype,
+        concurrent=request.concurrent,
         steps=request.steps,
         warmup=warmup,
         forward_s=clock.median("forward", warmup),

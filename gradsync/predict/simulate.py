@@ -487,7 +487,8 @@ def _p3_transfers(
             now = max(now, arrivals[next_arrival].ready)
         while next_arrival < len(arrivals) and arrivals[next_arrival].ready <= now:
             job = arrivals[next_arrival]
-            heapq.heappush(waiting, (job.priority, job.seq, job))
+            # Ties (and every item, without priority) go in arrival order, as in the sender.
+            heapq.heappush(waiting, (job.priority, next_arrival, job))
             next_arrival += 1
         job = heapq.heappop(waiting)[2]
         s = job.server

@@ -130,38 +130,41 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     """Measure and predict every cell (resuming from ``out/cells.jsonl``); summarize.
 
     Cells run bandwidth by bandwidth, model by model, so an interrupted run has breadth.
-    Predictions are recomputed from the cached profiles when summarizing, so a summary
-    always reflects the current simulator.
+    Each cell is predicted from a profile taken just before it, with ``workers`` ranks
+    computing at once (:class:`ProfileRequest` ``concurrent``), so the profile shares the
+    cores as the run's ranks do and sees the machine's load of that moment. Predictions
+    are recomputed from the stored profiles when summarizing, so a summary always reflects
+    the current simulator.
     """
     out.mkdir(parents=True, exist_ok=True)
     log = out / "cells.jsonl"
     done = {c["id"]: c for c in _read_cells(log)}
-    profiles = {model.label: _profile(plan, model, out) for model in plan.models}
     for bandwidth in plan.bandwidths:
         for model in plan.models:
-            profile = profiles[model.label]
             specs = list(plan.strategies)
             if plan.recommend:
+                profile = _profile(plan, model, out / "profiles" / f"{model.name}-{bandwidth}")
                 specs.append(_recommended(plan, profile, bandwidth))
             for spec in dict.fromkeys(specs):
                 cell_id = f"{model.label}|{spec}|{bandwidth}"
                 if cell_id in done:
                     continue
+                label = spec.replace(":", "-").replace("=", "")
+                where = out / "profiles" / f"{model.name}-{bandwidth}-{label}"
+                profile = _profile(plan, model, where)
                 cell = _run_cell(plan, model, profile, spec, bandwidth, out)
-                cell["id"] = cell_id
+                cell.update(id=cell_id, profile=str(where.with_suffix(".json")))
                 done[cell_id] = cell
                 with log.open("a") as handle:
                     handle.write(json.dumps(cell) + "\n")
                 print(_cell_line(cell), flush=True)
-    by_label = {m.label: m for m in plan.models}
-    cells = [
-        _repredict(plan, profiles[c["model"]], c) if c["model"] in by_label else c
-        for c in done.values()
-    ]
+    cells = [_repredict(plan, c) for c in done.values()]
     return summarize(cells, out)
 
 
-def _repredict(plan: ValidationPlan, profile: Profile, cell: dict[str, Any]) -> dict[str, Any]:
+def _repredict(plan: ValidationPlan, cell: dict[str, Any]) -> dict[str, Any]:
+    """``cell`` with its prediction recomputed from its stored profile."""
+    profile = Profile.load(cell["profile"])
     choice = parse_choice(cell["strategy"], plan.workers)
     predicted = predict_step(profile, cluster_for(plan, choice, cell["bandwidth"]), choice)
     cell = {**cell, "predicted": predicted.throughput, "predicted_step_s": predicted.step_s}
@@ -176,12 +179,9 @@ def _read_cells(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
-def _profile(plan: ValidationPlan, model: ModelEntry, out: Path) -> Profile:
-    """The model's profile at the cells' per-worker batch (cached in ``out``)."""
-    safe = model.label.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "-")
-    path = out / f"profile-{safe}.json"
-    if path.is_file():
-        return Profile.load(path)
+def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:
+    """A fresh profile of ``model`` at the cells' per-worker batch, ``workers`` ranks
+    computing at once; saved as ``where``.json."""
     profile = measure_profile(
         ProfileRequest(
             model=model.name,
@@ -191,9 +191,10 @@ def _profile(plan: ValidationPlan, model: ModelEntry, out: Path) -> Profile:
             threads=plan.threads,
             steps=plan.profile_steps,
             warmup=min(3, plan.profile_steps - 2),
+            concurrent=plan.workers,
         )
     )
-    profile.save(path)
+    profile.save(where.with_suffix(".json"))
     return profile
 
 
