@@ -110,12 +110,26 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="fit per-message cost and usable bandwidth share to a `gradsync commbench` run",
     )
     predict.add_argument(
+        "--compute-speedup",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="model workers X times faster than the profiled device (e.g. a GPU from a CPU "
+        "profile): compute, optimizer and copies; server work stays as measured",
+    )
+    predict.add_argument(
         "--no-recommend", dest="recommend", action="store_false", help="skip the knob search"
     )
     predict.add_argument(
         "--validate",
         metavar="FILE.toml",
         help="instead: run the file's configurations on emulated hosts, measured vs predicted",
+    )
+    predict.add_argument(
+        "--experiment",
+        metavar="FILE.toml",
+        help="read these options from a file (keys named as the flags); a missing profile "
+        "is measured first from its model, preset and batch keys",
     )
     predict.add_argument("--out", help="results folder (default: runs/predict-<time>)")
 
@@ -176,9 +190,62 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+EXPERIMENT_KEYS = {
+    "profiles",
+    "compute_speedup",
+    "preset",
+    "batch",
+    "strategies",
+    "workers",
+    "bandwidth",
+    "latency",
+    "ranks_per_host",
+    "servers",
+    "colocate",
+    "out",
+}
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    """``--experiment FILE.toml``: its keys fill the options; ``[profiles]`` maps models to
+    profile files, each predicted into ``out/<model>`` (a missing profile is measured
+    first: the model at ``preset`` and ``batch``, 1 thread)."""
+    import tomllib
+
+    from gradsync.predict.profile import ProfileRequest, measure_profile
+
+    path = Path(args.experiment)
+    if not path.is_file():
+        raise UserError(f"--experiment {path} does not exist; see experiments/predict-*.toml")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"{path} is not valid TOML: {error}") from None
+    if unknown := sorted(set(raw) - EXPERIMENT_KEYS):
+        raise UserError(f"{path}: unknown key '{unknown[0]}'; allowed: {sorted(EXPERIMENT_KEYS)}")
+    if not isinstance(raw.get("profiles"), dict) or not raw["profiles"]:
+        raise UserError(f'{path}: needs a [profiles] table, e.g. vgg16 = "profiles/vgg16.json"')
+    for key in EXPERIMENT_KEYS & set(raw) - {"profiles", "preset", "batch", "out"}:
+        value = raw[key]
+        setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else value)
+    out = Path(args.out or raw.get("out", f"results/{path.stem}"))
+    for model, profile in raw["profiles"].items():
+        if not Path(profile).is_file():
+            request = ProfileRequest(
+                model=model, preset=raw.get("preset", "default"), batch=raw.get("batch")
+            )
+            print(f"profiling {model} ({request.preset}) into {profile}")
+            measure_profile(request).save(Path(profile))
+        changes = {"experiment": None, "profile": profile, "out": str(out / model)}
+        cmd_predict(argparse.Namespace(**{**vars(args), **changes}))
+    return EXIT_OK
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(args)
+    if args.experiment:
+        return _run_experiment(args)
     from gradsync.predict.network import Cluster, Network, calibrate, parse_bandwidth, parse_latency
     from gradsync.predict.profile import Profile
     from gradsync.predict.report import HEADERS, recommendation_lines, table_rows, write_outputs
@@ -187,7 +254,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     if not args.profile:
         raise UserError("predict needs --profile PROFILE.json (or --validate FILE.toml)")
-    profile = Profile.load(args.profile)
+    profile = Profile.load(args.profile).with_compute_speedup(args.compute_speedup)
     specs = _strategy_specs(args)
     workers = _worker_counts(args.workers)
     choices = [parse_choice(spec, max(workers)) for spec in specs]
@@ -202,7 +269,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     first = next(iter(networks.values()))
     base = Cluster(workers=1, network=first, ranks_per_host=args.ranks_per_host)
     started = time.perf_counter()
-    points = predict_grid(profile, choices, workers=workers, networks=networks, base=base)
+    refused: list[str] = []
+    points = predict_grid(
+        profile, choices, workers=workers, networks=networks, base=base, refused=refused
+    )
+    if not points:
+        raise UserError(f"no configuration can be modelled: {refused[0]}")
     recommendations = []
     if args.recommend:
         names = [choice.name for choice in choices]
@@ -220,6 +292,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         "latency_s": latency,
         "ranks_per_host": args.ranks_per_host,
         "calibrate": args.calibrate,
+        "compute_speedup": args.compute_speedup,
+        "refused": refused,
         "predict_seconds": elapsed,
     }
     write_outputs(out, profile, points, recommendations, settings)
@@ -233,6 +307,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         "efficiency: samples/s ÷ (workers × one worker without communication); exposed: "
         "share of the step spent waiting for communication"
     )
+    for line in refused:
+        print(f"left out (gradsync refuses it): {line}")
     for line in recommendation_lines(recommendations):
         print(f"recommended: {line}")
     print(f"{len(points)} predictions in {elapsed:.2f} s; results in {out}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -120,6 +121,30 @@ class Profile:
     @property
     def num_bytes(self) -> int:
         return sum(v.num_bytes for v in self.variables)
+
+    def with_compute_speedup(self, factor: float) -> Profile:
+        """The profile of a device ``factor`` times faster at the workers' work (forward,
+        backward, optimizer, buffer copies); the servers' work is left as measured.
+
+        Example:
+            >>> # gpu_like = cpu_profile.with_compute_speedup(50)
+        """
+        if not factor > 0:
+            raise UserError(f"--compute-speedup must be > 0, got {factor}")
+        return dataclasses.replace(
+            self,
+            forward_s=self.forward_s / factor,
+            backward_s=self.backward_s / factor,
+            optimizer_s_per_byte=self.optimizer_s_per_byte / factor,
+            copy_s_per_byte=self.copy_s_per_byte / factor,
+            layers=tuple(
+                dataclasses.replace(layer, forward_start_s=layer.forward_start_s / factor)
+                for layer in self.layers
+            ),
+            variables=tuple(
+                dataclasses.replace(v, grad_ready_s=v.grad_ready_s / factor) for v in self.variables
+            ),
+        )
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=1)
@@ -247,9 +272,10 @@ def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:
     )
     batch = request.batch or max(1, workload.global_batch // request.workers)
     optimizer = torch.optim.SGD(workload.model.parameters(), lr=1e-3)
+    parent = os.getppid()
     ready.release()
     step = 0
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == parent:  # ends with its parent, killed or not
         data = workload.dataset.batch(step=step, size=batch, start=0, stop=batch)
         workload.loss(workload.model(*data.inputs, **data.shared), data.targets).backward()
         optimizer.step()

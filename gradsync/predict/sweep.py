@@ -66,16 +66,23 @@ def predict_grid(
     workers: Sequence[int],
     networks: Mapping[str, Network],
     base: Cluster | None = None,
+    refused: list[str] | None = None,
 ) -> list[GridPoint]:
     """Every choice at every worker count on every network; ``base`` gives the host layout
-    (ranks per host, explicit hosts), its worker count and network replaced per point."""
+    (ranks per host, explicit hosts), its worker count and network replaced per point.
+    A configuration gradsync would refuse is left out and described in ``refused``."""
+    refused = [] if refused is None else refused
     single = profile.batch / single_step_s(profile)
     points = []
     for label, network in networks.items():
         for count in workers:
             cluster = _cluster(base, count, network)
             for choice in choices:
-                prediction = predict_step(profile, cluster, choice)
+                try:
+                    prediction = predict_step(profile, cluster, choice)
+                except UserError as error:  # gradsync would refuse it too (e.g. servers)
+                    refused.append(f"{choice.label()} × {count} workers: {error}")
+                    continue
                 points.append(
                     GridPoint(
                         label,
@@ -157,14 +164,16 @@ def recommend(
     """Try every candidate knob setting of each strategy in ``names`` on ``cluster``."""
     tried: list[StepPrediction] = []
     for name in dict.fromkeys(names):
-        for choice in candidates(name):
+        for choice in (parse_choice(name), *candidates(name)):
             try:
                 tried.append(predict_step(profile, cluster, choice))
             except UserError:  # e.g. more servers than the model has variables
                 continue
     if not tried:
         raise UserError("no strategy setting could be modelled for this profile")
-    best = max(tried, key=lambda p: p.throughput)
+    # Ties (to 6 significant digits) go to the first tried: each strategy's defaults
+    # come first, so a knob is recommended only when it is predicted to help.
+    best = max(tried, key=lambda p: float(f"{p.throughput:.6g}"))
     default = predict_step(profile, cluster, parse_choice(TrainConfig().strategy))
     own_default = predict_step(profile, cluster, parse_choice(best.choice.name))
     return Recommendation(cluster.workers, bandwidth, best, default, own_default)

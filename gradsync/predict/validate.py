@@ -129,7 +129,8 @@ def load_plan(path: str | Path) -> ValidationPlan:
 def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     """Measure and predict every cell (resuming from ``out/cells.jsonl``); summarize.
 
-    Cells run bandwidth by bandwidth, model by model, so an interrupted run has breadth.
+    Cells run model by model (in the file's order), every bandwidth and strategy of a
+    model before the next, so an interrupted run has every strategy of the first models.
     Each cell is predicted from a profile taken just before it, with ``workers`` ranks
     computing at once (:class:`ProfileRequest` ``concurrent``), so the profile shares the
     cores as the run's ranks do and sees the machine's load of that moment. Predictions
@@ -139,8 +140,8 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "cells.jsonl"
     done = {c["id"]: c for c in _read_cells(log)}
-    for bandwidth in plan.bandwidths:
-        for model in plan.models:
+    for model in plan.models:
+        for bandwidth in plan.bandwidths:
             specs = list(plan.strategies)
             if plan.recommend:
                 profile = _profile(plan, model, out / "profiles" / f"{model.name}-{bandwidth}")
@@ -306,11 +307,24 @@ def percentile(values: list[float], q: float) -> float:
     return round(ordered[low] + (ordered[high] - ordered[low]) * (position - low), 12)
 
 
+def _with_spread(cell: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``cell`` with the min–max of its run's measurement windows (the noise it had)."""
+    label = cell["strategy"].replace(":", "-").replace("=", "")
+    model = cell["model"].split(" ")[0]
+    run = out / "runs" / f"{model}-{cell['bandwidth']}" / f"{label}-w{cell['workers']}"
+    summary = run / "summary.json"
+    if cell["status"] != "ok" or not summary.is_file():
+        return cell
+    throughput = json.loads(summary.read_text())["throughput"]
+    return {**cell, "spread": f"{throughput['low']:.2f}–{throughput['high']:.2f}"}
+
+
 def summarize(cells: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     """Write ``validation.json`` and ``validation.md``; return the summary."""
     from gradsync.checkpoint import atomic_write_text
     from gradsync.tables import markdown_table
 
+    cells = [_with_spread(c, out) for c in cells]
     ok = [c for c in cells if c["status"] == "ok"]
     errors = [abs(c["error"]) for c in ok]
     summary = {
@@ -328,13 +342,23 @@ def summarize(cells: list[dict[str, Any]], out: Path) -> dict[str, Any]:
             c["strategy"],
             c["bandwidth"],
             f"{c['measured']:.2f}" if c["status"] == "ok" else "failed",
+            c.get("spread", ""),
             f"{c['predicted']:.2f}",
             f"{c['error']:+.0%}" if c["status"] == "ok" else c["error"][:60],
             f"{c['load_before']:.1f}",
         ]
         for c in cells
     ]
-    headers = ["model", "strategy", "bandwidth", "measured", "predicted", "error", "load"]
+    headers = [
+        "model",
+        "strategy",
+        "bandwidth",
+        "measured",
+        "measured min–max",
+        "predicted",
+        "error",
+        "load",
+    ]
     lines = ["# Prediction vs measurement on emulated hosts", "", markdown_table(headers, rows)]
     if errors:
         lines += [
@@ -346,4 +370,11 @@ def summarize(cells: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     return summary
 
 
-__all__ = ["ValidationPlan", "cluster_for", "load_plan", "percentile", "run_validation"]
+__all__ = [
+    "ValidationPlan",
+    "cluster_for",
+    "load_plan",
+    "percentile",
+    "run_validation",
+    "summarize",
+]
