@@ -18,25 +18,11 @@ DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit"
 EXIT_OK = 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    return key, value
-
-
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Add ``gradsync profile`` and ``gradsync predict`` to the subcommands."""
+    from gradsync.cli import _key_value
+    from gradsync.cli import _positive_int as _positive
+
     profile = commands.add_parser(
         "profile",
         help="measure one worker's per-layer compute and gradient sizes for `predict`",
@@ -210,19 +196,12 @@ def _run_experiment(args: argparse.Namespace) -> int:
     """``--experiment FILE.toml``: its keys fill the options; ``[profiles]`` maps models to
     profile files, each predicted into ``out/<model>`` (a missing profile is measured
     first: the model at ``preset`` and ``batch``, 1 thread)."""
-    import tomllib
-
     from gradsync.predict.profile import ProfileRequest, measure_profile
+    from gradsync.predict.validate import read_toml
 
     path = Path(args.experiment)
-    if not path.is_file():
-        raise UserError(f"--experiment {path} does not exist; see experiments/predict-*.toml")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise UserError(f"{path} is not valid TOML: {error}") from None
-    if unknown := sorted(set(raw) - EXPERIMENT_KEYS):
-        raise UserError(f"{path}: unknown key '{unknown[0]}'; allowed: {sorted(EXPERIMENT_KEYS)}")
+    example = "experiments/predict-horovod-scaling.toml"
+    raw = read_toml(path, "--experiment", EXPERIMENT_KEYS, example=example)
     if not isinstance(raw.get("profiles"), dict) or not raw["profiles"]:
         raise UserError(f'{path}: needs a [profiles] table, e.g. vgg16 = "profiles/vgg16.json"')
     for key in EXPERIMENT_KEYS & set(raw) - {"profiles", "preset", "batch", "out"}:

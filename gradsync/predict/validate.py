@@ -85,20 +85,23 @@ class ValidationPlan:
     profile_steps: int = 8
 
 
-def load_plan(path: str | Path) -> ValidationPlan:
-    """Read a validation grid; every problem is a one-line UserError."""
-    path = Path(path)
+def read_toml(path: Path, flag: str, keys: set[str], *, example: str) -> dict[str, Any]:
+    """The TOML file behind ``flag``, with only ``keys``; any problem is a UserError."""
     if not path.is_file():
-        raise UserError(
-            f"--validate {path} does not exist; pass a TOML file such as "
-            "experiments/predict-validation.toml"
-        )
+        raise UserError(f"{flag} {path} does not exist; pass a TOML file such as {example}")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
         raise UserError(f"{path} is not valid TOML: {error}") from None
-    if unknown := sorted(set(raw) - KEYS):
-        raise UserError(f"{path}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(KEYS))}")
+    if unknown := sorted(set(raw) - keys):
+        raise UserError(f"{path}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(keys))}")
+    return raw
+
+
+def load_plan(path: str | Path) -> ValidationPlan:
+    """Read a validation grid; every problem is a one-line UserError."""
+    path = Path(path)
+    raw = read_toml(path, "--validate", KEYS, example="experiments/predict-validation.toml")
     try:
         models = tuple(
             ModelEntry(
