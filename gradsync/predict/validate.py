@@ -163,7 +163,7 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
                     handle.write(json.dumps(cell) + "\n")
                 print(_cell_line(cell), flush=True)
     cells = [_repredict(plan, c) for c in done.values()]
-    return summarize(cells, out)
+    return summarize(cells, out, plan)
 
 
 def _repredict(plan: ValidationPlan, cell: dict[str, Any]) -> dict[str, Any]:
@@ -322,7 +322,56 @@ def _with_spread(cell: dict[str, Any], out: Path) -> dict[str, Any]:
     return {**cell, "spread": f"{throughput['low']:.2f}–{throughput['high']:.2f}"}
 
 
-def summarize(cells: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+def recommendation_checks(
+    cells: list[dict[str, Any]], out: Path, plan: ValidationPlan
+) -> list[dict[str, Any]]:
+    """Per model × bandwidth: what predict recommended (from the profile taken for it) and
+    its measured throughput beside the default strategy's (gradsync's ``allreduce``)."""
+    from gradsync.config import TrainConfig
+
+    measured = {
+        (c["model"], c["bandwidth"], c["strategy"]): c for c in cells if c["status"] == "ok"
+    }
+    checks = []
+    for model in plan.models:
+        for bandwidth in plan.bandwidths:
+            path = out / "profiles" / f"{model.name}-{bandwidth}.json"
+            if not path.is_file():
+                continue
+            label = _recommended(plan, Profile.load(path), bandwidth)
+            best = measured.get((model.label, bandwidth, label))
+            default = measured.get((model.label, bandwidth, TrainConfig().strategy))
+            if best is None or default is None:
+                continue
+            checks.append(
+                {
+                    "model": model.label,
+                    "bandwidth": bandwidth,
+                    "recommended": label,
+                    "measured": best["measured"],
+                    "default": default["strategy"],
+                    "default_measured": default["measured"],
+                    "measured_gain": best["measured"] / default["measured"] - 1,
+                }
+            )
+    return checks
+
+
+def compute_spread(cells: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
+    """Per model, min / median / max of forward + backward over the cells' profiles: how
+    much the machine's load moved compute between cells."""
+    by_model: dict[str, list[float]] = {}
+    for cell in cells:
+        if Path(cell.get("profile", "")).is_file():
+            profile = Profile.load(cell["profile"])
+            by_model.setdefault(cell["model"], []).append(profile.compute_s)
+    return {
+        model: (min(values), statistics.median(values), max(values))
+        for model, values in by_model.items()
+    }
+
+
+def summarize(cells: list[dict[str, Any]], out: Path, plan: ValidationPlan) -> dict[str, Any]:
     """Write ``validation.json`` and ``validation.md``; return the summary."""
     from gradsync.checkpoint import atomic_write_text
     from gradsync.tables import markdown_table
@@ -337,6 +386,8 @@ def summarize(cells: list[dict[str, Any]], out: Path) -> dict[str, Any]:
         "median_abs_error": statistics.median(errors) if errors else None,
         "p90_abs_error": percentile(errors, 90) if errors else None,
         "load_average": os.getloadavg(),
+        "recommendations": recommendation_checks(cells, out, plan),
+        "profile_compute_s": compute_spread(cells),
     }
     atomic_write_text(out / "validation.json", json.dumps(summary, indent=1) + "\n")
     rows = [
@@ -369,6 +420,29 @@ def summarize(cells: list[dict[str, Any]], out: Path) -> dict[str, Any]:
             f"{len(ok)} cells: median |error| {summary['median_abs_error']:.1%}, "
             f"90th percentile {summary['p90_abs_error']:.1%}",
         ]
+    for model, (low, middle, high) in summary["profile_compute_s"].items():
+        lines.append(
+            f"- {model}: forward + backward in the cells' profiles {low:.2f} / {middle:.2f} / "
+            f"{high:.2f} s (min / median / max)"
+        )
+    if summary["recommendations"]:
+        lines += ["", "## Recommended vs default, both measured", ""]
+        lines.append(
+            markdown_table(
+                ["model", "bandwidth", "recommended", "measured", "default", "measured gain"],
+                [
+                    [
+                        r["model"],
+                        r["bandwidth"],
+                        r["recommended"],
+                        f"{r['measured']:.2f}",
+                        f"{r['default']} {r['default_measured']:.2f}",
+                        f"{r['measured_gain']:+.0%}",
+                    ]
+                    for r in summary["recommendations"]
+                ],
+            )
+        )
     atomic_write_text(out / "validation.md", "\n".join(lines) + "\n")
     return summary
 
