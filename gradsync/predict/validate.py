@@ -56,6 +56,7 @@ KEYS = {
     "model",
     "profile_steps",
 }
+MODEL_KEYS = {"name", "preset", "options"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,12 @@ def load_plan(path: str | Path) -> ValidationPlan:
     """Read a validation grid; every problem is a one-line UserError."""
     path = Path(path)
     raw = read_toml(path, "--validate", KEYS, example="experiments/predict-validation.toml")
+    for entry in raw.get("model", []):
+        if unknown := sorted(set(entry) - MODEL_KEYS):
+            raise UserError(
+                f"{path}: unknown key '{unknown[0]}' in [[model]]; allowed: "
+                f"{', '.join(sorted(MODEL_KEYS))}"
+            )
     try:
         models = tuple(
             ModelEntry(

@@ -105,3 +105,26 @@ def test_prediction_work_grows_linearly_with_workers(monkeypatch: pytest.MonkeyP
             predict_step(profile, cluster, StrategyChoice(name))
         counts[workers] = calls
     assert counts[256] <= 4 * counts[64] * 1.1
+
+
+def test_validation_plan_places_ranks_as_the_launcher_does(tmp_path: Path) -> None:
+    from gradsync.errors import UserError
+    from gradsync.predict.sweep import parse_choice
+    from gradsync.predict.validate import cluster_for, load_plan
+
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(
+        'strategies = ["ps", "ps:colocate"]\nbandwidths = ["1gbit"]\n[[model]]\nname = "vgg16"\n'
+    )
+    plan = load_plan(plan_file)
+    # 2 workers + 1 server on 2 hosts: ranks 0 and 1 share host 0, the server has host 1.
+    ps = cluster_for(plan, parse_choice("ps"), "1gbit")
+    assert [ps.worker_host(w) for w in range(2)] == [0, 0] and ps.server_host(0) == 1
+    colocated = cluster_for(plan, parse_choice("ps:colocate"), "1gbit")
+    assert [colocated.server_host(s) for s in range(2)] == [0, 1]
+    text = plan_file.read_text()
+    for bad, words in (('colour = "blue"\n' + text, "unknown key 'colour'"),
+                       (text + 'colour = "blue"\n', "'colour' in \\[\\[model\\]\\]")):  # fmt: skip
+        plan_file.write_text(bad)
+        with pytest.raises(UserError, match=words):
+            load_plan(plan_file)
