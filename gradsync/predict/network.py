@@ -52,8 +52,8 @@ def parse_latency(text: str) -> float:
     """A one-way latency such as ``25us``, ``0.5ms`` or ``0`` as seconds.
 
     Example:
-        >>> parse_latency("25us")
-        2.5e-05
+        >>> round(parse_latency("25us") * 1e6, 9), parse_latency("0.5ms"), parse_latency("0")
+        (25.0, 0.0005, 0.0)
     """
     stripped = text.strip().lower()
     number = stripped.rstrip("smun\u00b5")
