@@ -8,7 +8,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -158,15 +158,21 @@ class Recommendation:
 def recommend(
     profile: Profile,
     names: Sequence[str],
-    cluster: Cluster,
+    cluster: Cluster | Callable[[StrategyChoice], Cluster],
     bandwidth: str,
 ) -> Recommendation:
-    """Try every candidate knob setting of each strategy in ``names`` on ``cluster``."""
+    """Try every candidate knob setting of each strategy in ``names`` on ``cluster`` (or on
+    the cluster a function gives each setting: where its server ranks run)."""
+    cluster_of = cluster if callable(cluster) else (lambda _choice: cluster)
+
+    def predict(choice: StrategyChoice) -> StepPrediction:
+        return predict_step(profile, cluster_of(choice), choice)
+
     tried: list[StepPrediction] = []
     for name in dict.fromkeys(names):
         for choice in (parse_choice(name), *candidates(name)):
             try:
-                tried.append(predict_step(profile, cluster, choice))
+                tried.append(predict(choice))
             except UserError:  # e.g. more servers than the model has variables
                 continue
     if not tried:
@@ -174,9 +180,9 @@ def recommend(
     # Ties (to 6 significant digits) go to the first tried: each strategy's defaults
     # come first, so a knob is recommended only when it is predicted to help.
     best = max(tried, key=lambda p: float(f"{p.throughput:.6g}"))
-    default = predict_step(profile, cluster, parse_choice(TrainConfig().strategy))
-    own_default = predict_step(profile, cluster, parse_choice(best.choice.name))
-    return Recommendation(cluster.workers, bandwidth, best, default, own_default)
+    default = predict(parse_choice(TrainConfig().strategy))
+    own_default = predict(parse_choice(best.choice.name))
+    return Recommendation(best.workers, bandwidth, best, default, own_default)
 
 
 __all__ = [

@@ -28,6 +28,7 @@ measured``, and the median and 90th percentile of its absolute value.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -238,8 +239,9 @@ def cluster_for(plan: ValidationPlan, choice: StrategyChoice, bandwidth: str) ->
 
 def _recommended(plan: ValidationPlan, profile: Profile, bandwidth: str) -> str:
     names = [spec.split(":")[0] for spec in plan.strategies]
-    base = cluster_for(plan, parse_choice("allreduce"), bandwidth)
-    return recommend(profile, names, base, bandwidth).best.choice.label()
+    # Each candidate on the hosts the launcher would put its ranks on (servers included).
+    placed = functools.partial(cluster_for, plan, bandwidth=bandwidth)
+    return recommend(profile, names, placed, bandwidth).best.choice.label()
 
 
 def _run_cell(
