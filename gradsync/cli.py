@@ -294,7 +294,17 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="compare checkpoints tensor by tensor")
     compare.add_argument("checkpoints", nargs="+", help="reference first, then the others")
     compare.add_argument("--tolerance", type=float, default=1e-5, help="max abs difference")
+    _add_predict_parsers(commands)
     return parser
+
+
+def _add_predict_parsers(commands: argparse._SubParsersAction) -> None:
+    """``gradsync profile`` and ``gradsync predict`` (gradsync/predict/commands.py)."""
+    from gradsync.predict.commands import COMMANDS as PREDICT_COMMANDS
+    from gradsync.predict.commands import add_parsers
+
+    add_parsers(commands)
+    COMMANDS.update(PREDICT_COMMANDS)
 
 
 def _config(args: argparse.Namespace, **overrides: object):

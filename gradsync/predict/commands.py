@@ -1,0 +1,316 @@
+"""The ``profile`` and ``predict`` subcommands: their parsers and what they run.
+
+:func:`add_parsers` is the one call ``gradsync.cli`` makes; :data:`COMMANDS` its dispatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from gradsync.errors import UserError
+
+DEFAULT_STRATEGIES = "ddp,allreduce,ps,hybrid,p3"
+DEFAULT_WORKERS = "1,2,4,8,16,32,64"
+DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit"
+EXIT_OK = 0
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    """Add ``gradsync profile`` and ``gradsync predict`` to the subcommands."""
+    from gradsync.cli import _key_value
+    from gradsync.cli import _positive_int as _positive
+
+    profile = commands.add_parser(
+        "profile",
+        help="measure one worker's per-layer compute and gradient sizes for `predict`",
+        description="Run forward, backward and the optimizer of one worker's batch and write "
+        "per-layer forward starts, per-variable gradient-ready times and bytes, and per-byte "
+        "costs of copies, server aggregation and apply (medians after warm-up).",
+    )
+    profile.add_argument("--model", default="transformer")
+    profile.add_argument("--preset", default="default")
+    profile.add_argument(
+        "--model-option", action="append", type=_key_value, default=[], metavar="KEY=VALUE"
+    )
+    profile.add_argument(
+        "--batch",
+        type=_positive,
+        help="samples per worker (default: the preset's global batch / --workers)",
+    )
+    profile.add_argument(
+        "--workers", type=_positive, default=1, help="the run whose shard is profiled"
+    )
+    profile.add_argument("--steps", type=_positive, default=10)
+    profile.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    profile.add_argument("--threads", type=_positive, default=1, help="intra-op threads")
+    profile.add_argument(
+        "--concurrent",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="K ranks compute at once (K-1 sibling processes), as K ranks share a machine",
+    )
+    profile.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    profile.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    profile.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    profile.add_argument("--out", required=True, metavar="PROFILE.json")
+
+    predict = commands.add_parser(
+        "predict",
+        help="simulate every strategy on a cluster from a profile; recommend one",
+        description="Discrete-event simulation of a steady-state step per strategy, following "
+        "gradsync's real policies, for each worker count and bandwidth (see docs/predict.md).",
+    )
+    predict.add_argument("--profile", metavar="PROFILE.json", help="from `gradsync profile`")
+    predict.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help="comma-separated, options after colons as in verify, e.g. "
+        "allreduce:fusion_threshold_mb=16,ps:servers=2,p3:slice_size=10000",
+    )
+    predict.add_argument("--workers", default=DEFAULT_WORKERS, help="worker counts, e.g. 1,2,4")
+    predict.add_argument(
+        "--bandwidth", default=DEFAULT_BANDWIDTHS, help="per-host link rates, e.g. 1gbit,25gbit"
+    )
+    predict.add_argument(
+        "--latency", default="25us", help="one-way latency per message (default 25us; 0 for none)"
+    )
+    predict.add_argument(
+        "--ranks-per-host", type=_positive, default=1, help="workers sharing one host link"
+    )
+    predict.add_argument(
+        "--intra-bandwidth", help="rate between ranks of one host (default: the link's)"
+    )
+    predict.add_argument(
+        "--servers", type=_positive, help="server ranks for ps, hybrid and p3 (default 1)"
+    )
+    predict.add_argument(
+        "--colocate", action="store_true", help="ps and hybrid: every worker serves a shard"
+    )
+    predict.add_argument(
+        "--calibrate",
+        metavar="commbench.json",
+        help="fit per-message cost and usable bandwidth share to a `gradsync commbench` run",
+    )
+    predict.add_argument(
+        "--compute-speedup",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="model workers X times faster than the profiled device (e.g. a GPU from a CPU "
+        "profile): compute, optimizer and copies; server work stays as measured",
+    )
+    predict.add_argument(
+        "--no-recommend", dest="recommend", action="store_false", help="skip the knob search"
+    )
+    predict.add_argument(
+        "--validate",
+        metavar="FILE.toml",
+        help="instead: run the file's configurations on emulated hosts, measured vs predicted",
+    )
+    predict.add_argument(
+        "--experiment",
+        metavar="FILE.toml",
+        help="read these options from a file (keys named as the flags); a missing profile "
+        "is measured first from its model, preset and batch keys",
+    )
+    predict.add_argument("--out", help="results folder (default: runs/predict-<time>)")
+
+
+def _strategy_specs(args: argparse.Namespace) -> list[str]:
+    """The ``--strategies`` list with ``--servers``/``--colocate`` added where they apply."""
+    specs = []
+    for spec in (part.strip() for part in args.strategies.split(",")):
+        if not spec:
+            continue
+        name = spec.split(":")[0]
+        if args.servers is not None and name in ("ps", "hybrid", "p3"):
+            spec += f":servers={args.servers}"
+        if args.colocate and name in ("ps", "hybrid"):
+            spec += ":colocate"
+        specs.append(spec)
+    if not specs:
+        raise UserError("--strategies lists no strategy; e.g. --strategies allreduce,ps")
+    return specs
+
+
+def _worker_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--workers {text!r} is not a comma-separated list of integers") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"--workers {text!r} needs positive worker counts, e.g. 1,2,4,8")
+    return sorted(set(counts))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from gradsync.predict.profile import ProfileRequest, measure_profile
+
+    request = ProfileRequest(
+        model=args.model,
+        preset=args.preset,
+        model_options=dict(args.model_option),
+        batch=args.batch,
+        workers=args.workers,
+        steps=args.steps,
+        warmup=args.warmup,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        concurrent=args.concurrent,
+    )
+    profile = measure_profile(request)
+    profile.save(Path(args.out))
+    print(
+        f"{profile.model} ({profile.preset}), batch {profile.batch}/worker, "
+        f"{profile.threads} thread(s), {profile.concurrent} rank(s) at once: forward "
+        f"{profile.forward_s * 1e3:.1f} ms, backward "
+        f"{profile.backward_s * 1e3:.1f} ms, {len(profile.variables)} variables, "
+        f"{profile.num_bytes / 2**20:.1f} MiB; profile in {args.out}"
+    )
+    return EXIT_OK
+
+
+EXPERIMENT_KEYS = {
+    "profiles",
+    "compute_speedup",
+    "preset",
+    "batch",
+    "strategies",
+    "workers",
+    "bandwidth",
+    "latency",
+    "ranks_per_host",
+    "servers",
+    "colocate",
+    "out",
+}
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    """``--experiment FILE.toml``: its keys fill the options; ``[profiles]`` maps models to
+    profile files, each predicted into ``out/<model>`` (a missing profile is measured
+    first: the model at ``preset`` and ``batch``, 1 thread)."""
+    from gradsync.predict.profile import ProfileRequest, measure_profile
+    from gradsync.predict.validate import read_toml
+
+    path = Path(args.experiment)
+    example = "experiments/predict-horovod-scaling.toml"
+    raw = read_toml(path, "--experiment", EXPERIMENT_KEYS, example=example)
+    if not isinstance(raw.get("profiles"), dict) or not raw["profiles"]:
+        raise UserError(f'{path}: needs a [profiles] table, e.g. vgg16 = "profiles/vgg16.json"')
+    for key in EXPERIMENT_KEYS & set(raw) - {"profiles", "preset", "batch", "out"}:
+        value = raw[key]
+        setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else value)
+    out = Path(args.out or raw.get("out", f"results/{path.stem}"))
+    for model, profile in raw["profiles"].items():
+        if not Path(profile).is_file():
+            request = ProfileRequest(
+                model=model, preset=raw.get("preset", "default"), batch=raw.get("batch")
+            )
+            print(f"profiling {model} ({request.preset}) into {profile}")
+            measure_profile(request).save(Path(profile))
+        changes = {"experiment": None, "profile": profile, "out": str(out / model)}
+        cmd_predict(argparse.Namespace(**{**vars(args), **changes}))
+    return EXIT_OK
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    if args.validate:
+        return _validate(args)
+    if args.experiment:
+        return _run_experiment(args)
+    from gradsync.predict.network import Cluster, Network, calibrate, parse_bandwidth, parse_latency
+    from gradsync.predict.profile import Profile
+    from gradsync.predict.report import HEADERS, recommendation_lines, table_rows, write_outputs
+    from gradsync.predict.sweep import parse_choice, predict_grid, recommend
+    from gradsync.tables import print_table
+
+    if not args.profile:
+        raise UserError("predict needs --profile PROFILE.json (or --validate FILE.toml)")
+    profile = Profile.load(args.profile).with_compute_speedup(args.compute_speedup)
+    specs = _strategy_specs(args)
+    workers = _worker_counts(args.workers)
+    choices = [parse_choice(spec, max(workers)) for spec in specs]
+    latency = parse_latency(args.latency)
+    intra = parse_bandwidth(args.intra_bandwidth) if args.intra_bandwidth else None
+    networks = {}
+    for text in (part.strip() for part in args.bandwidth.split(",") if part.strip()):
+        network = Network(bandwidth=parse_bandwidth(text), latency=latency, intra_bandwidth=intra)
+        networks[text] = calibrate(network, args.calibrate) if args.calibrate else network
+    if not networks:
+        raise UserError("--bandwidth lists no rate; e.g. --bandwidth 1gbit,10gbit")
+    first = next(iter(networks.values()))
+    base = Cluster(workers=1, network=first, ranks_per_host=args.ranks_per_host)
+    started = time.perf_counter()
+    refused: list[str] = []
+    points = predict_grid(
+        profile, choices, workers=workers, networks=networks, base=base, refused=refused
+    )
+    if not points:
+        raise UserError(f"no configuration can be modelled: {refused[0]}")
+    recommendations = []
+    if args.recommend:
+        names = [choice.name for choice in choices]
+        for label, network in networks.items():
+            cluster = Cluster(
+                workers=max(workers), network=network, ranks_per_host=args.ranks_per_host
+            )
+            recommendations.append(recommend(profile, names, cluster, label))
+    elapsed = time.perf_counter() - started
+    out = Path(args.out or f"runs/predict-{time.strftime('%Y%m%d-%H%M%S')}")
+    settings = {
+        "strategies": specs,
+        "workers": workers,
+        "bandwidths": list(networks),
+        "latency_s": latency,
+        "ranks_per_host": args.ranks_per_host,
+        "calibrate": args.calibrate,
+        "compute_speedup": args.compute_speedup,
+        "refused": refused,
+        "predict_seconds": elapsed,
+    }
+    write_outputs(out, profile, points, recommendations, settings)
+    print_table(
+        f"predicted steady-state steps: {profile.model} ({profile.preset}), batch "
+        f"{profile.batch}/worker, profiled with {profile.threads} thread(s) on {profile.device}",
+        HEADERS,
+        table_rows(points),
+    )
+    print(
+        "efficiency: samples/s ÷ (workers × one worker without communication); exposed: "
+        "share of the step spent waiting for communication"
+    )
+    for line in refused:
+        print(f"left out (gradsync refuses it): {line}")
+    for line in recommendation_lines(recommendations):
+        print(f"recommended: {line}")
+    print(f"{len(points)} predictions in {elapsed:.2f} s; results in {out}")
+    return EXIT_OK
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from gradsync.predict.validate import load_plan, run_validation
+
+    plan = load_plan(args.validate)
+    out = Path(args.out or f"results/{plan.name}")
+    load = os.getloadavg()
+    print(f"{plan.name}: load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; results in {out}")
+    summary = run_validation(plan, out)
+    if summary["median_abs_error"] is not None:
+        print(
+            f"{summary['num_ok']} cells measured ({summary['num_failed']} failed): median "
+            f"|error| {summary['median_abs_error']:.1%}, 90th percentile "
+            f"{summary['p90_abs_error']:.1%}; table in {out / 'validation.md'}"
+        )
+    return EXIT_OK
+
+
+COMMANDS = {"profile": cmd_profile, "predict": cmd_predict}
+
+__all__ = ["COMMANDS", "add_parsers"]

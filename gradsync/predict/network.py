@@ -1,0 +1,206 @@
+"""The cluster a prediction is for: hosts with full-duplex links, and where each rank runs.
+
+Every host has one link to a non-blocking switch, ``bandwidth`` bytes/s in each direction
+and ``latency`` seconds one way; ranks on one host share its link and talk to each other
+at ``intra_bandwidth``. Costs are those of the algorithms gradsync runs:
+
+- ring allreduce (Gloo's, and NCCL's): ``2(n−1)/n · S / B + 2(n−1) · α`` for n ranks; with
+  several ranks per host the ring crosses each host boundary once, so the slowest hop
+  decides ``B``;
+- point-to-point pushes and pulls: a message of S bytes takes ``S / B + α``, and a link
+  carrying k concurrent messages is shared (``k · S / B``): servers' inbound links are
+  what parameter servers wait for.
+
+``message_s`` is the per-message software overhead (Gloo's framing, a server's handling),
+0 unless calibrated (:func:`calibrate`).
+
+Example:
+    >>> net = Network(bandwidth=125e6, latency=0.0)   # 1 Gbit/s
+    >>> round(Cluster(workers=4, network=net).ring_allreduce_s(100e6), 3)  # 2·3/4·0.8 s
+    1.2
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UserError
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_bandwidth(text: str) -> float:
+    """A link rate in tc notation (``10gbit``, ``100mbit``) as bytes per second.
+
+    Example:
+        >>> parse_bandwidth("1gbit")
+        125000000.0
+    """
+    from gradsync.netem import parse_rate
+
+    bits = parse_rate(text)
+    if bits <= 0:
+        raise UserError(f"--bandwidth {text} is zero: a link must move data; e.g. 1gbit")
+    return bits / 8
+
+
+def parse_latency(text: str) -> float:
+    """A one-way latency such as ``25us``, ``0.5ms`` or ``0`` as seconds.
+
+    Example:
+        >>> round(parse_latency("25us") * 1e6, 9), parse_latency("0.5ms"), parse_latency("0")
+        (25.0, 0.0005, 0.0)
+    """
+    stripped = text.strip().lower()
+    number = stripped.rstrip("smun\u00b5")
+    unit = stripped[len(number) :] or "s"
+    try:
+        value = float(number) * _TIME_UNITS[unit]
+    except (ValueError, KeyError):
+        raise UserError(
+            f"--latency {text!r} is not a duration; write e.g. 25us, 0.5ms or 0"
+        ) from None
+    if value < 0:
+        raise UserError(f"--latency must be >= 0, got {text}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    """Per-host link: ``bandwidth`` bytes/s each way, ``latency`` s one way, software
+    overhead ``message_s`` per message; ``efficiency`` scales the usable bandwidth (the
+    share of the nominal rate a calibration measured)."""
+
+    bandwidth: float
+    latency: float = 0.0
+    message_s: float = 0.0
+    efficiency: float = 1.0
+    intra_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise UserError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+
+    @property
+    def rate(self) -> float:
+        """Usable bytes per second of one host link, each way."""
+        return self.bandwidth * self.efficiency
+
+    @property
+    def intra_rate(self) -> float:
+        return self.intra_bandwidth if self.intra_bandwidth else self.rate
+
+    @property
+    def hop_s(self) -> float:
+        """Fixed cost of one message: latency plus software overhead."""
+        return self.latency + self.message_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``workers`` ranks, ``ranks_per_host`` to a host, and parameter servers.
+
+    ``servers`` dedicated server ranks each get a host of their own unless
+    ``host_of_server`` says where they run; ``colocate`` runs server s inside worker s.
+    ``host_of_worker``/``host_of_server`` pin ranks to hosts explicitly (validation on
+    emulated hosts uses :func:`gradsync.netem.place_ranks`).
+    """
+
+    workers: int
+    network: Network
+    ranks_per_host: int = 1
+    servers: int = 0
+    colocate: bool = False
+    host_of_worker: tuple[int, ...] | None = None
+    host_of_server: tuple[int, ...] | None = None
+
+    def with_servers(self, servers: int, *, colocate: bool = False) -> Cluster:
+        """The same hosts with another server layout (explicit server hosts dropped)."""
+        return replace(self, servers=servers, colocate=colocate, host_of_server=None)
+
+    def worker_host(self, worker: int) -> int:
+        if self.host_of_worker is not None:
+            return self.host_of_worker[worker]
+        return worker // self.ranks_per_host
+
+    def server_host(self, server: int) -> int:
+        if self.colocate:
+            return self.worker_host(server % self.workers)
+        if self.host_of_server is not None:
+            return self.host_of_server[server]
+        return self.worker_host(self.workers - 1) + 1 + server
+
+    @property
+    def num_hosts(self) -> int:
+        return len({self.worker_host(w) for w in range(self.workers)})
+
+    def workers_per_host(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for worker in range(self.workers):
+            host = self.worker_host(worker)
+            counts[host] = counts.get(host, 0) + 1
+        return counts
+
+    def ring_allreduce_s(self, num_bytes: float) -> float:
+        """One ring allreduce of ``num_bytes`` over the workers."""
+        n = self.workers
+        if n == 1:
+            return 0.0
+        net = self.network
+        rate = net.intra_rate if self.num_hosts == 1 else min(net.rate, net.intra_rate)
+        return 2 * (n - 1) / n * num_bytes / rate + 2 * (n - 1) * net.hop_s
+
+    def remote_workers(self, server: int) -> int:
+        """Workers whose messages to ``server`` cross its host's link."""
+        host = self.server_host(server)
+        return sum(1 for w in range(self.workers) if self.worker_host(w) != host)
+
+    def busiest_worker_host(self) -> int:
+        """Most workers sharing one host link."""
+        return max(self.workers_per_host().values())
+
+
+def calibrate(network: Network, commbench_path: str | Path) -> Network:
+    """``network`` with latency and efficiency fitted to a ``gradsync commbench`` result.
+
+    A straight line ``t = a + b·S`` is fitted to the allreduce times of the run's n ranks;
+    the ring model makes ``a = 2(n−1)·α`` (α: the per-message cost, latency and software
+    overhead together) and ``b = 2(n−1)/n / (efficiency · bandwidth)``, the bandwidth being
+    the run's ``--bandwidth`` (the calibration keeps the measured share of it).
+    """
+    path = Path(commbench_path)
+    try:
+        payload: dict[str, Any] = json.loads(path.read_text())
+        rows = [r for r in payload["results"] if r["op"] == "allreduce"]
+        n = int(payload["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(
+            f"--calibrate {path}: not a commbench.json ({error}); run `gradsync commbench "
+            "--hosts 2 --bandwidth RATE --ops allreduce` and pass its commbench.json"
+        ) from None
+    if len(rows) < 2 or n < 2:
+        raise UserError(
+            f"--calibrate {path}: needs allreduce times at two or more sizes on 2+ ranks"
+        )
+    slope, intercept = _fit_line([r["bytes"] for r in rows], [r["time_s"] for r in rows])
+    hop = max(0.0, intercept) / (2 * (n - 1))
+    efficiency = network.efficiency
+    if payload.get("bandwidth") and slope > 0:
+        nominal = parse_bandwidth(payload["bandwidth"])
+        efficiency = min(1.0, (2 * (n - 1) / n) / slope / nominal)
+    return replace(network, latency=0.0, message_s=hop, efficiency=efficiency)
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope and intercept."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+    return slope, mean_y - slope * mean_x
+
+
+__all__ = ["Cluster", "Network", "calibrate", "parse_bandwidth", "parse_latency"]

@@ -1,0 +1,489 @@
+"""A model's measured compute, per layer and per variable: what the simulator replays.
+
+``gradsync profile`` runs forward, backward and the optimizer of one worker's batch in this
+process (no communication) and records, as medians over the steps after warm-up:
+
+- per layer (a module that first uses a trainable parameter, numbered in forward order as
+  P3 numbers them, :mod:`gradsync.comm.layer_order`) the offset of its forward start;
+- per variable its size, its layer, and the offset from the start of backward at which its
+  gradient is complete (a ``post_accumulate_grad`` hook: the moment a strategy's hook would
+  see it); for a sparse variable (an ``nn.Embedding(sparse=True)`` weight) the rows it
+  touches per step;
+- the cost per byte of the work communication adds around the wire: the optimizer, a
+  buffer copy, a server's aggregation of one contribution and its optimizer apply.
+
+Example:
+    >>> # profile = measure_profile(ProfileRequest(model="vgg16", preset="tiny", steps=5))
+    >>> # Profile.load(path) == profile after profile.save(path)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UserError
+
+FORMAT = "gradsync-profile/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VariableProfile:
+    """One trainable parameter: bytes on the wire and when its gradient is ready.
+
+    ``grad_ready_s`` is measured from the start of backward. ``rows_touched`` is the median
+    number of distinct rows a sparse variable's gradient has per step (0 for dense ones).
+    """
+
+    name: str
+    numel: int
+    element_size: int
+    layer: int
+    grad_ready_s: float
+    sparse: bool = False
+    num_rows: int = 0
+    rows_touched: float = 0.0
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * self.element_size
+
+    @property
+    def row_bytes(self) -> float:
+        return self.num_bytes / self.num_rows if self.num_rows else 0.0
+
+    @property
+    def sparse_bytes(self) -> float:
+        """Bytes of the rows one worker's step touches (values only)."""
+        return self.rows_touched * self.row_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """A layer in forward order and the offset of its forward start from the step's."""
+
+    name: str
+    forward_start_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Everything :mod:`gradsync.predict.simulate` needs about one worker's step.
+
+    Costs per byte are seconds per byte of parameters (or gradients) of the run's dtype.
+    """
+
+    model: str
+    preset: str
+    model_options: dict[str, str] = field(default_factory=dict)
+    batch: int
+    threads: int
+    device: str
+    dtype: str = "float32"
+    concurrent: int = 1
+    steps: int
+    warmup: int
+    forward_s: float
+    backward_s: float
+    optimizer_s_per_byte: float
+    copy_s_per_byte: float
+    aggregate_s_per_byte: float
+    apply_s_per_byte: float
+    layers: tuple[LayerProfile, ...]
+    variables: tuple[VariableProfile, ...]
+    host: str = ""
+    torch_version: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "variables", tuple(self.variables))
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def dense_variables(self) -> tuple[VariableProfile, ...]:
+        return tuple(v for v in self.variables if not v.sparse)
+
+    @property
+    def sparse_variables(self) -> tuple[VariableProfile, ...]:
+        return tuple(v for v in self.variables if v.sparse)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(v.num_bytes for v in self.variables)
+
+    def with_compute_speedup(self, factor: float) -> Profile:
+        """The profile of a device ``factor`` times faster at the workers' work (forward,
+        backward, optimizer, buffer copies); the servers' work is left as measured.
+
+        Example:
+            >>> # gpu_like = cpu_profile.with_compute_speedup(50)
+        """
+        if not factor > 0:
+            raise UserError(f"--compute-speedup must be > 0, got {factor}")
+        return dataclasses.replace(
+            self,
+            forward_s=self.forward_s / factor,
+            backward_s=self.backward_s / factor,
+            optimizer_s_per_byte=self.optimizer_s_per_byte / factor,
+            copy_s_per_byte=self.copy_s_per_byte / factor,
+            layers=tuple(
+                dataclasses.replace(layer, forward_start_s=layer.forward_start_s / factor)
+                for layer in self.layers
+            ),
+            variables=tuple(
+                dataclasses.replace(v, grad_ready_s=v.grad_ready_s / factor) for v in self.variables
+            ),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "profile") -> Profile:
+        """Parse a profile; a malformed one is a UserError naming ``source``."""
+        try:
+            raw = json.loads(text)
+            if raw.pop("format", None) != FORMAT:
+                raise ValueError(f"not a {FORMAT} file")
+            raw["layers"] = tuple(LayerProfile(**layer) for layer in raw["layers"])
+            raw["variables"] = tuple(VariableProfile(**v) for v in raw["variables"])
+            profile = cls(**raw)
+        except (ValueError, TypeError, KeyError) as error:
+            raise UserError(
+                f"{source} is not a gradsync profile ({error}); write one with "
+                "`gradsync profile --model M --out PROFILE.json`"
+            ) from None
+        if not profile.variables:
+            raise UserError(f"{source} has no trainable variables to communicate")
+        return profile
+
+    def save(self, path: Path) -> None:
+        from gradsync.checkpoint import atomic_write_text
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read ``path``; a missing or malformed file is a UserError (exit 2)."""
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(
+                f"--profile {path} does not exist; write it with "
+                "`gradsync profile --model M --out PROFILE.json`"
+            )
+        return cls.from_json(path.read_text(), source=str(path))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileRequest:
+    """What to measure: a model (as ``gradsync train`` names it) and a per-worker batch."""
+
+    model: str
+    preset: str = "default"
+    model_options: dict[str, str] = field(default_factory=dict)
+    batch: int | None = None
+    workers: int = 1
+    steps: int = 10
+    warmup: int = 3
+    threads: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    optimizer: str = "sgd"
+    seed: int = 0
+    concurrent: int = 1
+
+    def check(self) -> None:
+        if self.concurrent < 1:
+            raise UserError(f"--concurrent must be a positive integer, got {self.concurrent}")
+        if self.steps <= self.warmup:
+            raise UserError(
+                f"--steps {self.steps} leaves nothing after {self.warmup} warm-up steps; "
+                f"use --steps {self.warmup + 5} or more"
+            )
+        if self.batch is not None and self.batch < 1:
+            raise UserError(f"--batch must be a positive number of samples, got {self.batch}")
+
+
+def measure_profile(request: ProfileRequest) -> Profile:
+    """Run ``request.steps`` single-worker steps of the model and return their profile.
+
+    The batch is ``request.batch`` samples, or the preset's global batch split over
+    ``request.workers`` (the shard one worker of a ``--workers N`` run computes). With
+    ``concurrent`` k > 1, k − 1 sibling processes compute the same steps meanwhile, so the
+    profile sees the cores shared as k ranks of one machine share them.
+    """
+    request.check()
+    with _Siblings(request):
+        return _measure(request)
+
+
+class _Siblings:
+    """``request.concurrent - 1`` processes running the profiled steps until the exit."""
+
+    def __init__(self, request: ProfileRequest) -> None:
+        import multiprocessing
+
+        # fork: the siblings start at once (torch is imported already; 1 thread each).
+        context = multiprocessing.get_context("fork")
+        self.stop = context.Event()
+        self.ready = context.Semaphore(0)
+        self.processes = [
+            context.Process(target=_sibling, args=(request, self.stop, self.ready), daemon=True)
+            for _ in range(request.concurrent - 1)
+        ]
+
+    def __enter__(self) -> _Siblings:
+        for process in self.processes:
+            process.start()
+        for _ in self.processes:  # each has built its model and started computing
+            self.ready.acquire(timeout=120)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:
+    """A sibling: forward, backward and update of the same batch until told to stop."""
+    import torch
+
+    from gradsync.models import build_workload
+
+    torch.set_num_threads(request.threads)
+    torch.set_default_dtype(getattr(torch, request.dtype))
+    workload = build_workload(
+        request.model, preset=request.preset, dropout=False, options=request.model_options
+    )
+    batch = request.batch or max(1, workload.global_batch // request.workers)
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=1e-3)
+    parent = os.getppid()
+    ready.release()
+    step = 0
+    while not stop.is_set() and os.getppid() == parent:  # ends with its parent, killed or not
+        data = workload.dataset.batch(step=step, size=batch, start=0, stop=batch)
+        workload.loss(workload.model(*data.inputs, **data.shared), data.targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+
+def _measure(request: ProfileRequest) -> Profile:
+    import torch
+
+    from gradsync.comm.layer_order import LayerOrder
+    from gradsync.config import OptimConfig
+    from gradsync.models import build_workload
+    from gradsync.optim import Updater
+
+    if request.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible; profile on cpu")
+    torch.set_num_threads(request.threads)
+    dtype = getattr(torch, request.dtype)
+    torch.set_default_dtype(dtype)
+    device = torch.device(request.device)
+    workload = build_workload(
+        request.model,
+        preset=request.preset,
+        seed=request.seed,
+        dropout=False,
+        options=request.model_options,
+    )
+    batch = request.batch or max(1, workload.global_batch // request.workers)
+    model = workload.model.to(device)
+    model.train()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    updater = Updater(params.values(), OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
+    clock = _StepClock(params, device)
+    order = LayerOrder(model)
+    for step in range(request.steps):
+        data = workload.dataset.batch(step=step, size=batch, start=0, stop=batch)
+        data = data.to(device, dtype)
+        clock.begin_forward()
+        output = model(*data.inputs, **data.shared)
+        loss = workload.loss(output, data.targets)
+        clock.begin_backward()
+        loss.backward()
+        clock.end_backward()
+        if step == 0:
+            layers = order.finish()
+            clock.watch_layers(layers.modules)
+        clock.count_rows(params)
+        clock.time(lambda: updater.update(), "optimizer")
+    from gradsync.probe import sparse_lookup_weights
+
+    return _assemble(request, batch, clock, layers, params, sparse_lookup_weights(model))
+
+
+class _StepClock:
+    """Timestamps of one worker's steps: layer starts, gradient-ready times, phases."""
+
+    def __init__(self, params: dict[str, Any], device: Any) -> None:
+        self.device = device
+        self.samples: dict[str, list[float]] = {}
+        self._params = params
+        self._forward_start = self._backward_start = 0.0
+        self._layer_modules: list[Any] = []
+        for name, param in params.items():
+            param.register_post_accumulate_grad_hook(
+                lambda _p, name=name: self._mark(f"grad:{name}", self._backward_start)
+            )
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _mark(self, key: str, origin: float) -> None:
+        self.samples.setdefault(key, []).append(self._now() - origin)
+
+    def watch_layers(self, modules: list[Any]) -> None:
+        for index, module in enumerate(modules):
+            module.register_forward_pre_hook(
+                lambda *_a, index=index: self._mark(f"layer:{index}", self._forward_start)
+            )
+
+    def begin_forward(self) -> None:
+        self._forward_start = self._now()
+
+    def begin_backward(self) -> None:
+        self._backward_start = self._now()
+        self.samples.setdefault("forward", []).append(self._backward_start - self._forward_start)
+
+    def end_backward(self) -> None:
+        self._mark("backward", self._backward_start)
+
+    def count_rows(self, params: dict[str, Any]) -> None:
+        for name, param in params.items():
+            if param.grad is not None and param.grad.is_sparse:
+                rows = param.grad.coalesce().indices()[0].unique().numel()
+                self.samples.setdefault(f"rows:{name}", []).append(float(rows))
+
+    def time(self, work: Callable[[], None], key: str) -> None:
+        started = self._now()
+        work()
+        self._mark(key, started)
+
+    def median(self, key: str, warmup: int) -> float:
+        values = self.samples.get(key, [])
+        kept = values[warmup:] or values
+        return statistics.median(kept) if kept else 0.0
+
+
+def _assemble(
+    request: ProfileRequest,
+    batch: int,
+    clock: _StepClock,
+    layers: Any,
+    params: dict[str, Any],
+    sparse: set[str],
+) -> Profile:
+    import torch
+
+    warmup = request.warmup
+    # Layer hooks exist from step 1 on: their first sample is step 1's.
+    layer_warmup = max(0, warmup - 1)
+    total_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    variables = [
+        VariableProfile(
+            name=name,
+            numel=param.numel(),
+            element_size=param.element_size(),
+            layer=layers.layer_of[name],
+            grad_ready_s=clock.median(f"grad:{name}", warmup),
+            sparse=name in sparse,
+            num_rows=param.shape[0] if name in sparse else 0,
+            rows_touched=clock.median(f"rows:{name}", warmup) if name in sparse else 0.0,
+        )
+        for name, param in params.items()
+    ]
+    copy, aggregate, apply = _byte_costs(min(total_bytes, 64 << 20), request)
+    return Profile(
+        model=request.model,
+        preset=request.preset,
+        model_options=dict(request.model_options),
+        batch=batch,
+        threads=request.threads,
+        device=request.device,
+        dtype=request.dtype,
+        concurrent=request.concurrent,
+        steps=request.steps,
+        warmup=warmup,
+        forward_s=clock.median("forward", warmup),
+        backward_s=clock.median("backward", warmup),
+        optimizer_s_per_byte=clock.median("optimizer", warmup) / max(1, total_bytes),
+        copy_s_per_byte=copy,
+        aggregate_s_per_byte=aggregate,
+        apply_s_per_byte=apply,
+        layers=tuple(
+            LayerProfile(name=name, forward_start_s=clock.median(f"layer:{i}", layer_warmup))
+            for i, name in enumerate(layers.names)
+        ),
+        variables=tuple(variables),
+        host=platform.node(),
+        torch_version=torch.__version__,
+    )
+
+
+def _byte_costs(num_bytes: int, request: ProfileRequest) -> tuple[float, float, float]:
+    """Seconds per byte of a buffer copy, of adding one worker's contribution to a sum
+    (a server's aggregation) and of the optimizer's apply on a flat shard (a server's)."""
+    import torch
+
+    from gradsync.config import OptimConfig
+    from gradsync.optim import Updater
+
+    device = torch.device(request.device)
+    numel = max(
+        1, num_bytes // torch.tensor([], dtype=getattr(torch, request.dtype)).element_size()
+    )
+    source = torch.randn(numel, device=device)
+    target = torch.empty_like(source)
+    shard = torch.nn.Parameter(torch.zeros(numel, device=device))
+    updater = Updater([shard], OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
+
+    def apply() -> None:
+        shard.grad = source
+        updater.update()
+
+    nbytes = numel * source.element_size()
+    return (
+        _median_time(lambda: target.copy_(source), device) / nbytes,
+        _median_time(lambda: target.add_(source), device) / nbytes,
+        _median_time(apply, device) / nbytes,
+    )
+
+
+def _median_time(work: Callable[[], Any], device: Any, repeats: int = 5) -> float:
+    import torch
+
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+__all__ = ["LayerProfile", "Profile", "ProfileRequest", "VariableProfile", "measure_profile"]

@@ -1,0 +1,530 @@
+"""A steady-state training step of each strategy, simulated from a profile on a cluster.
+
+Each simulator replays the policy the strategy's code runs, with the same planning
+functions, so a knob means the same thing here as in ``gradsync train``:
+
+- ``allreduce``: :func:`gradsync.comm.fusion.plan_buckets` forms buckets in reverse
+  parameter order up to the fusion threshold; a bucket is copied into its buffer on the
+  backward thread and launched when complete, strictly in bucket order, one collective at a
+  time; ``step()`` waits for the last, copies out, and the optimizer runs.
+- ``ddp``: the same ordered launch over torch's buckets: rebuilt after the first step in
+  gradient-ready order, the first capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MB),
+  the rest at DDP's default cap (25 MB).
+- ``ps``: after backward, gradients are copied to push buffers, pushed to the servers that
+  own their partitions (:func:`gradsync.comm.placement.plan_placement`), aggregated and
+  applied there, and pulled back before the next forward. Asynchronous modes drop the
+  barrier: a step is then bound by its own round trip or by the busiest resource.
+- ``hybrid``: dense variables as ``allreduce``; sparse rows pushed after the dense update to
+  partitioned servers (one pusher per host with local aggregation) and pulled by the next
+  forward.
+- ``p3``: slices (:func:`gradsync.comm.slicing.slice_variables`) queued when their gradient
+  is ready and sent most urgent layer first, at most ``SEND_WINDOW`` in flight; a server
+  answers a slice once every worker's is in and applied; the next forward of layer i waits
+  only for layer i's slices. Simulated event by event over three steps (the last is the
+  steady state).
+
+Links are modelled as first-come-first-served pipes (a transfer holds a host's outbound
+and the peer's inbound pipe for bytes/rate); concurrent messages of symmetric workers are
+summed on the link they share.
+
+Example:
+    >>> # predict_step(profile, cluster, StrategyChoice("allreduce", AllreduceOptions()))
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradsync.errors import UserError
+from gradsync.predict.network import Cluster
+from gradsync.predict.profile import Profile, VariableProfile
+from gradsync.strategies.allreduce import AllreduceOptions, FusionOptions
+from gradsync.strategies.hybrid import HybridOptions
+from gradsync.strategies.p3 import P3Options
+from gradsync.strategies.ps import PSOptions
+
+COMPUTE_TRACK, COMM_TRACK, SERVER_TRACK = "compute", "communication", "server 0"
+INDEX_BYTES = 8  # int64 row indices of sparse pushes and pulls
+
+
+@dataclass(frozen=True)
+class Span:
+    """One predicted activity on a track, seconds from the step's start."""
+
+    track: str
+    name: str
+    start: float
+    duration: float
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """A strategy and its options (None: the strategy's defaults)."""
+
+    name: str
+    options: Any = None
+
+    def label(self) -> str:
+        """``ps:servers=2`` style: the options that differ from their defaults."""
+        if self.options is None:
+            return self.name
+        changed = [
+            f"{key}={value}".replace("=True", "") for key, value in self.options.changed().items()
+        ]
+        return ":".join([self.name, *changed])
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A predicted steady-state step of one worker."""
+
+    choice: StrategyChoice
+    workers: int
+    batch: int
+    step_s: float
+    compute_s: float
+    bytes_per_worker: float
+    spans: tuple[Span, ...] = field(default=(), repr=False)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second of the whole job."""
+        return self.workers * self.batch / self.step_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(0.0, self.step_s - self.compute_s)
+
+
+def predict_step(profile: Profile, cluster: Cluster, choice: StrategyChoice) -> StepPrediction:
+    """Simulate one steady-state step of ``choice`` on ``cluster``."""
+    try:
+        simulator = SIMULATORS[choice.name]
+    except KeyError:
+        raise UserError(
+            f"predict cannot model strategy '{choice.name}'; choose from: {', '.join(SIMULATORS)}"
+        ) from None
+    step_s, spans, moved = simulator(profile, cluster, choice.options)
+    return StepPrediction(
+        choice=choice,
+        workers=cluster.workers,
+        batch=profile.batch,
+        step_s=step_s,
+        compute_s=profile.compute_s,
+        bytes_per_worker=moved,
+        spans=tuple(spans),
+    )
+
+
+# -- bucketed allreduce: allreduce and ddp ---------------------------------------------------
+
+
+def _bucketed_allreduce(
+    profile: Profile,
+    cluster: Cluster,
+    variables: tuple[VariableProfile, ...],
+    buckets: list[list[int]],
+    wire_element_size: int | None = None,
+) -> tuple[float, list[Span], float]:
+    """Buckets launched in order as their last gradient is ready, one ring at a time."""
+    spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
+    backward_start = profile.forward_s
+    shift = comm_free = last_launch = moved = 0.0
+    for number, bucket in enumerate(buckets):
+        members = [variables[i] for i in bucket]
+        size = wire_element_size or members[0].element_size
+        num_bytes = (sum(v.numel for v in members) + len(members)) * size  # + flags
+        ready = backward_start + max(v.grad_ready_s for v in members) + shift
+        launch = max(ready, last_launch)
+        fill = num_bytes * profile.copy_s_per_byte  # MEMCPY_IN_FUSION_BUFFER, backward thread
+        shift += fill
+        start = max(launch + fill, comm_free)
+        duration = cluster.ring_allreduce_s(num_bytes)
+        spans.append(Span(COMM_TRACK, f"ALLREDUCE bucket{number}", start, duration))
+        comm_free, last_launch, moved = start + duration, launch + fill, moved + num_bytes
+    backward_end = backward_start + profile.backward_s + shift
+    spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, backward_end - backward_start))
+    synced = max(backward_end, comm_free)
+    if comm_free > backward_end:
+        spans.append(Span(COMPUTE_TRACK, "COMM_WAIT", backward_end, comm_free - backward_end))
+    dense_bytes = sum(v.num_bytes for v in variables)
+    copy_out = dense_bytes * profile.copy_s_per_byte
+    update = dense_bytes * profile.optimizer_s_per_byte
+    spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_FUSION_BUFFER", synced, copy_out))
+    spans.append(Span(COMPUTE_TRACK, "OPTIMIZER_STEP", synced + copy_out, update))
+    ring_share = 2 * (cluster.workers - 1) / cluster.workers if cluster.workers > 1 else 0.0
+    return synced + copy_out + update, spans, moved * ring_share
+
+
+def _meta_params(variables: tuple[VariableProfile, ...]) -> list[Any]:
+    """Storage-free stand-ins with ``numel()`` and ``element_size()`` for the planners."""
+    import torch
+
+    dtypes = {2: torch.float16, 4: torch.float32, 8: torch.float64}
+    return [torch.empty(v.numel, dtype=dtypes[v.element_size], device="meta") for v in variables]
+
+
+def simulate_allreduce(
+    profile: Profile, cluster: Cluster, options: FusionOptions | None
+) -> tuple[float, list[Span], float]:
+    from gradsync.comm.fusion import plan_buckets
+
+    options = options or AllreduceOptions()
+    variables = profile.variables
+    threshold = int(options.fusion_threshold_mb * 2**20)
+    buckets = plan_buckets(_meta_params(variables), threshold, options.first_bucket_bytes)
+    wire = 2 if options.fp16_compression else None
+    return _bucketed_allreduce(profile, cluster, variables, buckets, wire)
+
+
+def ddp_bucket_caps() -> tuple[int, int]:
+    """Torch DDP's first-bucket and later-bucket caps in bytes, read from torch."""
+    import torch.distributed as dist
+    from torch.nn.parallel import distributed
+
+    return dist._DEFAULT_FIRST_BUCKET_BYTES, int(distributed._DEFAULT_BUCKET_CAP_MB * 2**20)
+
+
+def plan_ddp_buckets(
+    variables: tuple[VariableProfile, ...], cap_mb: float | None = None
+) -> list[list[int]]:
+    """DDP's rebuilt buckets: gradient-ready order, the first bucket capped smaller.
+
+    Example:
+        >>> v = [VariableProfile(name=n, numel=300_000, element_size=4, layer=0,
+        ...                      grad_ready_s=t) for n, t in (("a", 2.0), ("b", 1.0))]
+        >>> plan_ddp_buckets(tuple(v))
+        [[1], [0]]
+    """
+    first_cap, cap = ddp_bucket_caps()
+    cap = cap if cap_mb is None else int(cap_mb * 2**20)
+    order = sorted(range(len(variables)), key=lambda i: (variables[i].grad_ready_s, -i))
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index in order:
+        limit = first_cap if not buckets else cap
+        if current and size + variables[index].num_bytes > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(index)
+        size += variables[index].num_bytes
+    return [*buckets, current] if current else buckets
+
+
+def simulate_ddp(
+    profile: Profile, cluster: Cluster, options: Any = None
+) -> tuple[float, list[Span], float]:
+    variables = profile.variables
+    cap_mb = None if options is None else options.bucket_cap_mb
+    return _bucketed_allreduce(profile, cluster, variables, plan_ddp_buckets(variables, cap_mb))
+
+
+# -- parameter servers ---------------------------------------------------------------------
+
+
+def _link_phase_s(cluster: Cluster, bytes_per_server: list[float]) -> float:
+    """Time for every worker to send ``bytes_per_server[s]`` to each server s at once (or
+    receive it: the links are full duplex and symmetric): the busiest host link decides."""
+    net = cluster.network
+    total = sum(bytes_per_server)
+    server_load: dict[int, float] = {}
+    for server, num_bytes in enumerate(bytes_per_server):
+        host = cluster.server_host(server)
+        server_load[host] = server_load.get(host, 0.0) + num_bytes
+    worst = 0.0
+    for host, count in cluster.workers_per_host().items():
+        # Worker-side direction: each of `count` workers moves what lives off this host.
+        worst = max(worst, count * (total - server_load.get(host, 0.0)))
+    on_host = cluster.workers_per_host()
+    for host, num_bytes in server_load.items():
+        worst = max(worst, num_bytes * (cluster.workers - on_host.get(host, 0)))
+    return worst / net.rate + (net.hop_s if worst else 0.0)
+
+
+def _with_layout(cluster: Cluster, servers: int, *, colocate: bool) -> Cluster:
+    """``cluster`` with the strategy's server layout; an explicit one (validation) is kept
+    when it already matches."""
+    if cluster.servers == servers and cluster.colocate == colocate:
+        return cluster
+    return cluster.with_servers(servers, colocate=colocate)
+
+
+def _ps_placement_bytes(profile: Profile, servers: int, options: PSOptions) -> list[float]:
+    from gradsync.comm.placement import Variable, plan_placement
+
+    variables = [Variable(v.name, v.numel, v.element_size) for v in profile.variables]
+    placement = plan_placement(
+        variables,
+        num_servers=servers,
+        policy=options.placement,
+        threshold_bytes=int(options.partition_threshold_mb * 2**20),
+    )
+    return [float(b) for b in placement.bytes_per_server()]
+
+
+def simulate_ps(
+    profile: Profile, cluster: Cluster, options: PSOptions | None
+) -> tuple[float, list[Span], float]:
+    options = options or PSOptions()
+    servers = options.num_servers(cluster.workers)
+    cluster = _with_layout(cluster, servers, colocate=options.colocate)
+    per_server = _ps_placement_bytes(profile, servers, options)
+    total = sum(per_server)
+    workers = cluster.workers
+    compute = profile.compute_s
+    copy = total * profile.copy_s_per_byte
+    push = _link_phase_s(cluster, per_server)
+    pull = _link_phase_s(cluster, per_server)
+    per_push = [b * (profile.aggregate_s_per_byte + profile.apply_s_per_byte) for b in per_server]
+    if options.asynchronous:
+        # No barrier: each push is applied on arrival. A worker's step is its own round trip,
+        # unless a shared resource (a server's CPU or a link) is busier than that per step.
+        round_trip = compute + 2 * copy + push / workers + max(per_push) + pull / workers
+        server_busy = max(workers * b for b in per_push)
+        step = max(round_trip, server_busy, push, pull)
+        apply = max(per_push)
+    else:
+        apply = max(
+            workers * b * profile.aggregate_s_per_byte + b * profile.apply_s_per_byte
+            for b in per_server
+        )
+        step = compute + copy + push + apply + pull + copy
+    spans = _phase_spans(
+        profile,
+        [
+            ("MEMCPY_IN_PUSH_BUFFER", copy, COMPUTE_TRACK),
+            ("PUSH", push, COMM_TRACK),
+            ("AGGREGATE_APPLY", apply, SERVER_TRACK),
+            ("PULL", pull, COMM_TRACK),
+            ("MEMCPY_OUT_PULL_BUFFER", copy, COMPUTE_TRACK),
+        ],
+    )
+    return step, spans, 2 * total
+
+
+def _phase_spans(profile: Profile, phases: list[tuple[str, float, str]]) -> list[Span]:
+    """Forward, backward, then ``phases`` one after another."""
+    spans = [
+        Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s),
+        Span(COMPUTE_TRACK, "BACKWARD", profile.forward_s, profile.backward_s),
+    ]
+    now = profile.compute_s
+    for name, duration, track in phases:
+        spans.append(Span(track, name, now, duration))
+        now += duration
+    return spans
+
+
+# -- hybrid --------------------------------------------------------------------------------
+
+
+def simulate_hybrid(
+    profile: Profile, cluster: Cluster, options: HybridOptions | None
+) -> tuple[float, list[Span], float]:
+    from gradsync.comm.fusion import plan_buckets
+    from gradsync.comm.sparse import PARTITION_OVERHEAD_S
+
+    options = options or HybridOptions()
+    dense = profile.dense_variables
+    sparse = profile.sparse_variables
+    threshold = int(options.fusion_threshold_mb * 2**20)
+    buckets = plan_buckets(_meta_params(dense), threshold, options.first_bucket_bytes)
+    if dense:
+        end, spans, moved = _bucketed_allreduce(profile, cluster, dense, buckets)
+    else:
+        end, spans, moved = profile.compute_s, _phase_spans(profile, []), 0.0
+    if not sparse:
+        return end, spans, moved
+    servers = options.num_servers(cluster.workers)
+    cluster = _with_layout(cluster, servers, colocate=options.colocate)
+    partitions = options.partitions or servers
+    busiest_share = math.ceil(partitions / servers) / partitions  # round-robin, even rows
+    per_host = cluster.busiest_worker_host() if options.local_aggregation else 1
+    push_bytes = (
+        sum(
+            min(v.num_rows, per_host * v.rows_touched) * (v.row_bytes + INDEX_BYTES) for v in sparse
+        )
+        / per_host
+    )  # per worker, after the node's sum
+    pull_bytes = sum(v.rows_touched * (v.row_bytes + INDEX_BYTES) for v in sparse)
+    push = _link_phase_s(cluster, [push_bytes * busiest_share] * servers)
+    pull = _link_phase_s(cluster, [pull_bytes * busiest_share] * servers)
+    pushers = cluster.num_hosts if options.local_aggregation else cluster.workers
+    row_bytes = sum(v.sparse_bytes for v in sparse) * busiest_share
+    apply = (
+        pushers * row_bytes * profile.aggregate_s_per_byte
+        + row_bytes * profile.apply_s_per_byte
+        + partitions * len(sparse) * PARTITION_OVERHEAD_S
+    )
+    spans += [
+        Span(COMM_TRACK, "SPARSE_PUSH", end, push),
+        Span(SERVER_TRACK, "SPARSE_APPLY", end + push, apply),
+        Span(COMM_TRACK, "SPARSE_PULL", end + push + apply, pull),
+    ]
+    return end + push + apply + pull, spans, moved + push_bytes + pull_bytes
+
+
+# -- p3 ------------------------------------------------------------------------------------
+
+
+class _Pipe:
+    """A first-come-first-served resource: a link direction or a server's CPU."""
+
+    def __init__(self) -> None:
+        self.free = 0.0
+
+    def hold(self, ready: float, duration: float) -> float:
+        start = max(ready, self.free)
+        self.free = start + duration
+        return self.free
+
+
+@dataclass(frozen=True)
+class _SliceJob:
+    ready: float
+    priority: int
+    seq: int
+    layer: int
+    server: int
+    num_bytes: float
+
+
+def simulate_p3(
+    profile: Profile, cluster: Cluster, options: P3Options | None
+) -> tuple[float, list[Span], float]:
+    from gradsync.comm.slicing import slice_variables
+
+    options = options or P3Options()
+    servers = options.num_servers(cluster.workers)
+    cluster = _with_layout(cluster, servers, colocate=options.colocate)
+    variables = {v.name: v for v in profile.variables}
+    slices = slice_variables(
+        [(v.name, v.numel) for v in profile.variables],
+        slice_size=options.slice_size if options.slicing else None,
+        num_servers=servers,
+    )
+    layer_seconds = _layer_durations(profile)
+    ready = [0.0] * len(layer_seconds)
+    ends: list[float] = []
+    spans: list[Span] = []
+    start = 0.0
+    for _ in range(3):  # steady state: the third step's length
+        spans = []
+        backward_start = _forward_with_waits(start, ready, layer_seconds, spans)
+        backward_end = backward_start + profile.backward_s
+        spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, profile.backward_s))
+        jobs = [
+            _SliceJob(
+                ready=backward_start + variables[s.name].grad_ready_s,
+                priority=variables[s.name].layer if options.priority else 0,
+                seq=s.index,
+                layer=variables[s.name].layer,
+                server=s.server,
+                num_bytes=s.numel * variables[s.name].element_size,
+            )
+            for s in slices
+        ]
+        ready = _p3_transfers(jobs, cluster, profile, len(layer_seconds), spans)
+        ends.append(backward_end)
+        start = backward_end
+    step = ends[-1] - ends[-2]
+    origin = ends[-2]
+    shifted = [Span(s.track, s.name, s.start - origin, s.duration) for s in spans]
+    return step, shifted, 2.0 * profile.num_bytes
+
+
+def _layer_durations(profile: Profile) -> list[float]:
+    starts = [layer.forward_start_s for layer in profile.layers] + [profile.forward_s]
+    head = starts[0]  # work before the first layer (input copies) counts with layer 0
+    durations = [max(0.0, b - a) for a, b in itertools.pairwise(starts)]
+    if durations:
+        durations[0] += head
+    return durations or [profile.forward_s]
+
+
+def _forward_with_waits(
+    start: float, ready: list[float], seconds: list[float], spans: list[Span]
+) -> float:
+    """Run the layers in order, each after its parameters are back; return the end."""
+    now = start
+    for layer, duration in enumerate(seconds):
+        if ready[layer] > now:
+            spans.append(Span(COMPUTE_TRACK, f"WAIT layer{layer}", now, ready[layer] - now))
+            now = ready[layer]
+        spans.append(Span(COMPUTE_TRACK, f"FORWARD layer{layer}", now, duration))
+        now += duration
+    return now
+
+
+def _p3_transfers(
+    jobs: list[_SliceJob],
+    cluster: Cluster,
+    profile: Profile,
+    num_layers: int,
+    spans: list[Span],
+) -> list[float]:
+    """Send ``jobs`` most urgent first with ``SEND_WINDOW`` in flight; return, per layer,
+    when its last slice is back."""
+    from gradsync.strategies.p3 import SEND_WINDOW
+
+    net = cluster.network
+    workers = cluster.workers
+    out_factor = cluster.busiest_worker_host()
+    remote = [cluster.remote_workers(s) for s in range(cluster.servers)]
+    worker_out, worker_in = _Pipe(), _Pipe()
+    server_in = [_Pipe() for _ in range(cluster.servers)]
+    server_out = [_Pipe() for _ in range(cluster.servers)]
+    server_cpu = [_Pipe() for _ in range(cluster.servers)]
+    per_byte_apply = profile.aggregate_s_per_byte * workers + profile.apply_s_per_byte
+    arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
+    waiting: list[tuple[int, int, _SliceJob]] = []
+    in_flight: list[float] = []
+    layer_ready = [0.0] * num_layers
+    now, next_arrival = 0.0, 0
+    while next_arrival < len(arrivals) or waiting:
+        if len(in_flight) >= SEND_WINDOW:
+            now = max(now, heapq.heappop(in_flight))
+        if not waiting:
+            now = max(now, arrivals[next_arrival].ready)
+        while next_arrival < len(arrivals) and arrivals[next_arrival].ready <= now:
+            job = arrivals[next_arrival]
+            # Ties (and every item, without priority) go in arrival order, as in the sender.
+            heapq.heappush(waiting, (job.priority, next_arrival, job))
+            next_arrival += 1
+        job = heapq.heappop(waiting)[2]
+        s = job.server
+        pushed = (
+            max(
+                worker_out.hold(now, out_factor * job.num_bytes / net.rate),
+                server_in[s].hold(now, remote[s] * job.num_bytes / net.rate),
+            )
+            + net.hop_s
+        )
+        heapq.heappush(in_flight, pushed)
+        applied = server_cpu[s].hold(pushed, job.num_bytes * per_byte_apply)
+        back = (
+            max(
+                server_out[s].hold(applied, remote[s] * job.num_bytes / net.rate),
+                worker_in.hold(applied, out_factor * job.num_bytes / net.rate),
+            )
+            + net.hop_s
+        )
+        spans.append(Span(COMM_TRACK, f"PUSH layer{job.layer}", now, pushed - now))
+        layer_ready[job.layer] = max(layer_ready[job.layer], back)
+    return layer_ready
+
+
+SIMULATORS = {
+    "allreduce": simulate_allreduce,
+    "ddp": simulate_ddp,
+    "ps": simulate_ps,
+    "hybrid": simulate_hybrid,
+    "p3": simulate_p3,
+}
+
+__all__ = ["SIMULATORS", "Span", "StepPrediction", "StrategyChoice", "predict_step"]

@@ -1,0 +1,198 @@
+"""Predictions over a grid (strategies × worker counts × bandwidths) and the recommendation.
+
+Example:
+    >>> # grid = predict_grid(profile, [StrategyChoice("allreduce", AllreduceOptions())],
+    >>> #                     workers=[1, 2, 4], networks={"1gbit": Network(bandwidth=125e6)})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gradsync.config import TrainConfig
+from gradsync.errors import UserError
+from gradsync.predict.network import Cluster, Network
+from gradsync.predict.profile import Profile
+from gradsync.predict.simulate import SIMULATORS, StepPrediction, StrategyChoice, predict_step
+from gradsync.strategies.allreduce import AllreduceOptions
+from gradsync.strategies.hybrid import HybridOptions
+from gradsync.strategies.p3 import P3Options
+from gradsync.strategies.ps import PSOptions
+
+FUSION_THRESHOLDS_MB = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
+SERVER_COUNTS = (1, 2, 4, 8)
+SLICE_FACTORS = (0.25, 1.0, 4.0, 16.0)  # × P3's default slice size
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One prediction of the grid, with the bandwidth's label."""
+
+    bandwidth: str
+    rate: float  # the link's nominal bytes/s
+    prediction: StepPrediction
+    efficiency: float  # throughput / (workers × single-worker throughput without comm)
+
+
+def parse_choice(spec: str, workers: int = 1) -> StrategyChoice:
+    """``ps:servers=2:colocate`` → the strategy and its options, as ``verify`` reads
+    strategy specs (:func:`gradsync.verify.cell_config`).
+
+    Example:
+        >>> parse_choice("p3:slice_size=10000").options.slice_size
+        10000
+    """
+    from gradsync.verify import cell_config
+
+    name = spec.split(":")[0]
+    if name not in SIMULATORS:
+        raise UserError(
+            f"predict cannot model strategy '{name}'; choose from: {', '.join(SIMULATORS)}"
+        )
+    config = cell_config(TrainConfig(strategy="single"), spec, workers, Path("."))
+    return StrategyChoice(name, config.strategy_options)
+
+
+def single_step_s(profile: Profile) -> float:
+    """One worker without communication: compute and the optimizer (``single``)."""
+    return profile.compute_s + profile.num_bytes * profile.optimizer_s_per_byte
+
+
+def predict_grid(
+    profile: Profile,
+    choices: Sequence[StrategyChoice],
+    *,
+    workers: Sequence[int],
+    networks: Mapping[str, Network],
+    base: Cluster | None = None,
+    refused: list[str] | None = None,
+) -> list[GridPoint]:
+    """Every choice at every worker count on every network; ``base`` gives the host layout
+    (ranks per host, explicit hosts), its worker count and network replaced per point.
+    A configuration gradsync would refuse is left out and described in ``refused``."""
+    refused = [] if refused is None else refused
+    single = profile.batch / single_step_s(profile)
+    points = []
+    for label, network in networks.items():
+        for count in workers:
+            cluster = _cluster(base, count, network)
+            for choice in choices:
+                try:
+                    prediction = predict_step(profile, cluster, choice)
+                except UserError as error:  # gradsync would refuse it too (e.g. servers)
+                    refused.append(f"{choice.label()} × {count} workers: {error}")
+                    continue
+                points.append(
+                    GridPoint(
+                        label,
+                        network.bandwidth,
+                        prediction,
+                        prediction.throughput / (count * single),
+                    )
+                )
+    return points
+
+
+def _cluster(base: Cluster | None, workers: int, network: Network) -> Cluster:
+    if base is None:
+        return Cluster(workers=workers, network=network)
+    return replace(base, workers=workers, network=network)
+
+
+def candidates(name: str) -> Iterator[StrategyChoice]:
+    """The knob settings the recommendation tries for strategy ``name``."""
+    if name == "allreduce":
+        for mb in FUSION_THRESHOLDS_MB:
+            yield StrategyChoice(name, AllreduceOptions(fusion_threshold_mb=mb))
+    elif name == "ps":
+        for servers in SERVER_COUNTS:
+            yield StrategyChoice(name, PSOptions(servers=servers))
+        yield StrategyChoice(name, PSOptions(colocate=True))
+    elif name == "hybrid":
+        for servers in SERVER_COUNTS:
+            yield StrategyChoice(name, HybridOptions(servers=servers))
+        yield StrategyChoice(name, HybridOptions(colocate=True))
+    elif name == "p3":
+        default = P3Options().slice_size
+        for servers in SERVER_COUNTS:
+            for factor in SLICE_FACTORS:
+                yield StrategyChoice(
+                    name, P3Options(servers=servers, slice_size=int(default * factor))
+                )
+    else:
+        yield StrategyChoice(name)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The fastest setting found for one cluster, against the defaults."""
+
+    workers: int
+    bandwidth: str
+    best: StepPrediction
+    default: StepPrediction  # gradsync's default strategy with its default knobs
+    strategy_default: StepPrediction  # the best's strategy with default knobs
+
+    @property
+    def gain(self) -> float:
+        return self.best.throughput / self.default.throughput - 1
+
+    @property
+    def knob_gain(self) -> float:
+        return self.best.throughput / self.strategy_default.throughput - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "bandwidth": self.bandwidth,
+            "best": self.best.choice.label(),
+            "best_throughput": self.best.throughput,
+            "default": self.default.choice.label(),
+            "default_throughput": self.default.throughput,
+            "gain_over_default": self.gain,
+            "gain_over_strategy_default": self.knob_gain,
+        }
+
+
+def recommend(
+    profile: Profile,
+    names: Sequence[str],
+    cluster: Cluster | Callable[[StrategyChoice], Cluster],
+    bandwidth: str,
+) -> Recommendation:
+    """Try every candidate knob setting of each strategy in ``names`` on ``cluster`` (or on
+    the cluster a function gives each setting: where its server ranks run)."""
+    cluster_of = cluster if callable(cluster) else (lambda _choice: cluster)
+
+    def predict(choice: StrategyChoice) -> StepPrediction:
+        return predict_step(profile, cluster_of(choice), choice)
+
+    tried: list[StepPrediction] = []
+    for name in dict.fromkeys(names):
+        for choice in (parse_choice(name), *candidates(name)):
+            try:
+                tried.append(predict(choice))
+            except UserError:  # e.g. more servers than the model has variables
+                continue
+    if not tried:
+        raise UserError("no strategy setting could be modelled for this profile")
+    # Ties (to 6 significant digits) go to the first tried: each strategy's defaults
+    # come first, so a knob is recommended only when it is predicted to help.
+    best = max(tried, key=lambda p: float(f"{p.throughput:.6g}"))
+    default = predict(parse_choice(TrainConfig().strategy))
+    own_default = predict(parse_choice(best.choice.name))
+    return Recommendation(best.workers, bandwidth, best, default, own_default)
+
+
+__all__ = [
+    "GridPoint",
+    "Recommendation",
+    "candidates",
+    "parse_choice",
+    "predict_grid",
+    "recommend",
+    "single_step_s",
+]

@@ -1,0 +1,466 @@
+"""``gradsync predict --validate FILE.toml``: run the predicted configurations for real on
+emulated hosts and put measured beside predicted.
+
+The file is a grid::
+
+    name = "predict-validation"
+    strategies = ["ddp", "allreduce", "ps", "ps:servers=2", "ps:colocate", "hybrid", "p3"]
+    bandwidths = ["100mbit", "1gbit"]
+    workers = 2
+    hosts = 2
+    steps = 12
+    threads = 1
+    recommend = true          # also measure what predict recommends per model × bandwidth
+
+    [[model]]
+    name = "transformer"
+    preset = "default"
+    options = {}
+
+Every cell trains with ``gradsync train --hosts H --bandwidth B`` (its median samples/s
+after warm-up) and is predicted from a profile of the same model taken in this process at
+the cell's per-worker batch and thread count, on a cluster whose ranks sit on the hosts
+:func:`gradsync.netem.place_ranks` puts them on. Results are appended to
+``cells.jsonl`` as they come (a rerun skips cells already measured), then summarized in
+``validation.md`` / ``validation.json``: per cell the error ``(predicted − measured) /
+measured``, and the median and 90th percentile of its absolute value.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UserError
+from gradsync.predict.network import Cluster, Network, calibrate, parse_bandwidth
+from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
+from gradsync.predict.simulate import StrategyChoice, predict_step
+from gradsync.predict.sweep import parse_choice, recommend
+
+KEYS = {
+    "name",
+    "strategies",
+    "bandwidths",
+    "workers",
+    "hosts",
+    "steps",
+    "threads",
+    "recommend",
+    "calibrate",
+    "model",
+    "profile_steps",
+}
+MODEL_KEYS = {"name", "preset", "options"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelEntry:
+    name: str
+    preset: str = "default"
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.name} ({self.preset}{extra})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationPlan:
+    name: str
+    models: tuple[ModelEntry, ...]
+    strategies: tuple[str, ...]
+    bandwidths: tuple[str, ...]
+    workers: int = 2
+    hosts: int = 2
+    steps: int = 12
+    threads: int = 1
+    recommend: bool = False
+    calibrate: str | None = None
+    profile_steps: int = 8
+
+
+def read_toml(path: Path, flag: str, keys: set[str], *, example: str) -> dict[str, Any]:
+    """The TOML file behind ``flag``, with only ``keys``; any problem is a UserError."""
+    if not path.is_file():
+        raise UserError(f"{flag} {path} does not exist; pass a TOML file such as {example}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"{path} is not valid TOML: {error}") from None
+    if unknown := sorted(set(raw) - keys):
+        raise UserError(f"{path}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(keys))}")
+    return raw
+
+
+def load_plan(path: str | Path) -> ValidationPlan:
+    """Read a validation grid; every problem is a one-line UserError."""
+    path = Path(path)
+    raw = read_toml(path, "--validate", KEYS, example="experiments/predict-validation.toml")
+    for entry in raw.get("model", []):
+        if unknown := sorted(set(entry) - MODEL_KEYS):
+            raise UserError(
+                f"{path}: unknown key '{unknown[0]}' in [[model]]; allowed: "
+                f"{', '.join(sorted(MODEL_KEYS))}"
+            )
+    try:
+        models = tuple(
+            ModelEntry(
+                name=m["name"],
+                preset=m.get("preset", "default"),
+                options={k: str(v) for k, v in m.get("options", {}).items()},
+            )
+            for m in raw.get("model", [])
+        )
+        plan = ValidationPlan(
+            name=str(raw.get("name", path.stem)),
+            models=models,
+            strategies=tuple(raw["strategies"]),
+            bandwidths=tuple(raw["bandwidths"]),
+            **{k: raw[k] for k in KEYS - {"name", "model", "strategies", "bandwidths"} if k in raw},
+        )
+    except (KeyError, TypeError) as error:
+        raise UserError(f"{path}: missing or malformed key {error}") from None
+    if not plan.models:
+        raise UserError(f'{path}: no [[model]] tables; add one with name = "transformer"')
+    for spec in plan.strategies:
+        parse_choice(spec, plan.workers)
+    for bandwidth in plan.bandwidths:
+        parse_bandwidth(bandwidth)
+    return plan
+
+
+def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
+    """Measure and predict every cell (resuming from ``out/cells.jsonl``); summarize.
+
+    Cells run model by model (in the file's order), every bandwidth and strategy of a
+    model before the next, so an interrupted run has every strategy of the first models.
+    Each cell is predicted from a profile taken just before it, with ``workers`` ranks
+    computing at once (:class:`ProfileRequest` ``concurrent``), so the profile shares the
+    cores as the run's ranks do and sees the machine's load of that moment. Predictions
+    are recomputed from the stored profiles when summarizing, so a summary always reflects
+    the current simulator.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "cells.jsonl"
+    done = {c["id"]: c for c in _read_cells(log)}
+    for model in plan.models:
+        for bandwidth in plan.bandwidths:
+            specs = list(plan.strategies)
+            if plan.recommend:
+                profile = _profile(plan, model, out / "profiles" / f"{model.name}-{bandwidth}")
+                specs.append(_recommended(plan, profile, bandwidth))
+            for spec in dict.fromkeys(specs):
+                cell_id = f"{model.label}|{spec}|{bandwidth}"
+                if cell_id in done:
+                    continue
+                label = spec.replace(":", "-").replace("=", "")
+                where = out / "profiles" / f"{model.name}-{bandwidth}-{label}"
+                profile = _profile(plan, model, where)
+                cell = _run_cell(plan, model, profile, spec, bandwidth, out)
+                cell.update(id=cell_id, profile=str(where.with_suffix(".json")))
+                done[cell_id] = cell
+                with log.open("a") as handle:
+                    handle.write(json.dumps(cell) + "\n")
+                print(_cell_line(cell), flush=True)
+    cells = [_repredict(plan, c) for c in done.values()]
+    return summarize(cells, out, plan)
+
+
+def _repredict(plan: ValidationPlan, cell: dict[str, Any]) -> dict[str, Any]:
+    """``cell`` with its prediction recomputed from its stored profile."""
+    profile = Profile.load(cell["profile"])
+    choice = parse_choice(cell["strategy"], plan.workers)
+    predicted = predict_step(profile, cluster_for(plan, choice, cell["bandwidth"]), choice)
+    cell = {**cell, "predicted": predicted.throughput, "predicted_step_s": predicted.step_s}
+    if cell["status"] == "ok":
+        cell["error"] = (predicted.throughput - cell["measured"]) / cell["measured"]
+    return cell
+
+
+def _read_cells(log: Path) -> list[dict[str, Any]]:
+    if not log.is_file():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:
+    """A fresh profile of ``model`` at the cells' per-worker batch, ``workers`` ranks
+    computing at once; saved as ``where``.json."""
+    profile = measure_profile(
+        ProfileRequest(
+            model=model.name,
+            preset=model.preset,
+            model_options=model.options,
+            workers=plan.workers,
+            threads=plan.threads,
+            steps=plan.profile_steps,
+            warmup=min(3, plan.profile_steps - 2),
+            concurrent=plan.workers,
+        )
+    )
+    profile.save(where.with_suffix(".json"))
+    return profile
+
+
+def cluster_for(plan: ValidationPlan, choice: StrategyChoice, bandwidth: str) -> Cluster:
+    """The emulated cluster a cell runs on: ranks placed as ``gradsync train --hosts``
+    places them (workers first, then dedicated servers)."""
+    from gradsync.config import TrainConfig
+    from gradsync.netem import place_ranks
+    from gradsync.strategies import strategy_class
+
+    network = Network(bandwidth=parse_bandwidth(bandwidth))
+    if plan.calibrate:
+        network = calibrate(network, plan.calibrate)
+    config = TrainConfig(
+        workers=plan.workers, strategy=choice.name, strategy_options=choice.options
+    )
+    servers = strategy_class(choice.name).num_server_ranks(config)
+    hosts = place_ranks(plan.workers + servers, plan.hosts)
+    colocate = bool(getattr(choice.options, "colocate", False))
+    num_servers = plan.workers if colocate else servers
+    return Cluster(
+        workers=plan.workers,
+        network=network,
+        servers=num_servers,
+        colocate=colocate,
+        host_of_worker=tuple(hosts[: plan.workers]),
+        host_of_server=None if colocate else tuple(hosts[plan.workers :]),
+    )
+
+
+def _recommended(plan: ValidationPlan, profile: Profile, bandwidth: str) -> str:
+    names = [spec.split(":")[0] for spec in plan.strategies]
+    # Each candidate on the hosts the launcher would put its ranks on (servers included).
+    placed = functools.partial(cluster_for, plan, bandwidth=bandwidth)
+    return recommend(profile, names, placed, bandwidth).best.choice.label()
+
+
+def _run_cell(
+    plan: ValidationPlan,
+    model: ModelEntry,
+    profile: Profile,
+    spec: str,
+    bandwidth: str,
+    out: Path,
+) -> dict[str, Any]:
+    from gradsync.config import LaunchConfig, TrainConfig
+    from gradsync.errors import JobFailed
+    from gradsync.jobs import run_job
+    from gradsync.verify import cell_config
+
+    choice = parse_choice(spec, plan.workers)
+    predicted = predict_step(profile, cluster_for(plan, choice, bandwidth), choice)
+    base = TrainConfig(
+        model=model.name,
+        preset=model.preset,
+        model_options=dict(model.options),
+        steps=plan.steps,
+        launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
+    )
+    config = cell_config(base, spec, plan.workers, out / "runs" / f"{model.name}-{bandwidth}")
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    cell: dict[str, Any] = {
+        "model": model.label,
+        "strategy": spec,
+        "bandwidth": bandwidth,
+        "workers": plan.workers,
+        "hosts": plan.hosts,
+        "predicted": predicted.throughput,
+        "predicted_step_s": predicted.step_s,
+        "load_before": load_before,
+    }
+    try:
+        summary = run_job(config)
+    except (JobFailed, UserError) as error:
+        cell.update(status="failed", error=str(error).splitlines()[0])
+        return cell
+    measured = float(summary["throughput"]["median"])
+    cell.update(
+        status="ok",
+        measured=measured,
+        error=(predicted.throughput - measured) / measured,
+        wall_s=time.perf_counter() - started,
+        load_after=os.getloadavg()[0],
+    )
+    return cell
+
+
+def _cell_line(cell: dict[str, Any]) -> str:
+    if cell["status"] != "ok":
+        return f"{cell['model']} {cell['strategy']} {cell['bandwidth']}: failed: {cell['error']}"
+    return (
+        f"{cell['model']} {cell['strategy']} {cell['bandwidth']}: measured "
+        f"{cell['measured']:.2f}, predicted {cell['predicted']:.2f} samples/s "
+        f"({cell['error']:+.0%}), load {cell['load_before']:.1f}"
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (0..100) of ``values``.
+
+    Example:
+        >>> percentile([1.0, 2.0, 3.0, 4.0], 90)
+        3.7
+    """
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return round(ordered[low] + (ordered[high] - ordered[low]) * (position - low), 12)
+
+
+def _with_spread(cell: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``cell`` with the min–max of its run's measurement windows (the noise it had)."""
+    label = cell["strategy"].replace(":", "-").replace("=", "")
+    model = cell["model"].split(" ")[0]
+    run = out / "runs" / f"{model}-{cell['bandwidth']}" / f"{label}-w{cell['workers']}"
+    summary = run / "summary.json"
+    if cell["status"] != "ok" or not summary.is_file():
+        return cell
+    throughput = json.loads(summary.read_text())["throughput"]
+    return {**cell, "spread": f"{throughput['low']:.2f}–{throughput['high']:.2f}"}
+
+
+def recommendation_checks(
+    cells: list[dict[str, Any]], out: Path, plan: ValidationPlan
+) -> list[dict[str, Any]]:
+    """Per model × bandwidth: what predict recommended (from the profile taken for it) and
+    its measured throughput beside the default strategy's (gradsync's ``allreduce``)."""
+    from gradsync.config import TrainConfig
+
+    measured = {
+        (c["model"], c["bandwidth"], c["strategy"]): c for c in cells if c["status"] == "ok"
+    }
+    checks = []
+    for model in plan.models:
+        for bandwidth in plan.bandwidths:
+            path = out / "profiles" / f"{model.name}-{bandwidth}.json"
+            if not path.is_file():
+                continue
+            label = _recommended(plan, Profile.load(path), bandwidth)
+            best = measured.get((model.label, bandwidth, label))
+            default = measured.get((model.label, bandwidth, TrainConfig().strategy))
+            if best is None or default is None:
+                continue
+            checks.append(
+                {
+                    "model": model.label,
+                    "bandwidth": bandwidth,
+                    "recommended": label,
+                    "measured": best["measured"],
+                    "default": default["strategy"],
+                    "default_measured": default["measured"],
+                    "measured_gain": best["measured"] / default["measured"] - 1,
+                }
+            )
+    return checks
+
+
+def compute_spread(cells: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
+    """Per model, min / median / max of forward + backward over the cells' profiles: how
+    much the machine's load moved compute between cells."""
+    by_model: dict[str, list[float]] = {}
+    for cell in cells:
+        if Path(cell.get("profile", "")).is_file():
+            profile = Profile.load(cell["profile"])
+            by_model.setdefault(cell["model"], []).append(profile.compute_s)
+    return {
+        model: (min(values), statistics.median(values), max(values))
+        for model, values in by_model.items()
+    }
+
+
+def summarize(cells: list[dict[str, Any]], out: Path, plan: ValidationPlan) -> dict[str, Any]:
+    """Write ``validation.json`` and ``validation.md``; return the summary."""
+    from gradsync.checkpoint import atomic_write_text
+    from gradsync.tables import markdown_table
+
+    cells = [_with_spread(c, out) for c in cells]
+    ok = [c for c in cells if c["status"] == "ok"]
+    errors = [abs(c["error"]) for c in ok]
+    summary = {
+        "cells": cells,
+        "num_ok": len(ok),
+        "num_failed": len(cells) - len(ok),
+        "median_abs_error": statistics.median(errors) if errors else None,
+        "p90_abs_error": percentile(errors, 90) if errors else None,
+        "load_average": os.getloadavg(),
+        "recommendations": recommendation_checks(cells, out, plan),
+        "profile_compute_s": compute_spread(cells),
+    }
+    atomic_write_text(out / "validation.json", json.dumps(summary, indent=1) + "\n")
+    rows = [
+        [
+            c["model"],
+            c["strategy"],
+            c["bandwidth"],
+            f"{c['measured']:.2f}" if c["status"] == "ok" else "failed",
+            c.get("spread", ""),
+            f"{c['predicted']:.2f}",
+            f"{c['error']:+.0%}" if c["status"] == "ok" else c["error"][:60],
+            f"{c['load_before']:.1f}",
+        ]
+        for c in cells
+    ]
+    headers = [
+        "model",
+        "strategy",
+        "bandwidth",
+        "measured",
+        "measured min–max",
+        "predicted",
+        "error",
+        "load",
+    ]
+    lines = ["# Prediction vs measurement on emulated hosts", "", markdown_table(headers, rows)]
+    if errors:
+        lines += [
+            "",
+            f"{len(ok)} cells: median |error| {summary['median_abs_error']:.1%}, "
+            f"90th percentile {summary['p90_abs_error']:.1%}",
+        ]
+    for model, (low, middle, high) in summary["profile_compute_s"].items():
+        lines.append(
+            f"- {model}: forward + backward in the cells' profiles {low:.2f} / {middle:.2f} / "
+            f"{high:.2f} s (min / median / max)"
+        )
+    if summary["recommendations"]:
+        lines += ["", "## Recommended vs default, both measured", ""]
+        lines.append(
+            markdown_table(
+                ["model", "bandwidth", "recommended", "measured", "default", "measured gain"],
+                [
+                    [
+                        r["model"],
+                        r["bandwidth"],
+                        r["recommended"],
+                        f"{r['measured']:.2f}",
+                        f"{r['default']} {r['default_measured']:.2f}",
+                        f"{r['measured_gain']:+.0%}",
+                    ]
+                    for r in summary["recommendations"]
+                ],
+            )
+        )
+    atomic_write_text(out / "validation.md", "\n".join(lines) + "\n")
+    return summary
+
+
+__all__ = [
+    "ValidationPlan",
+    "cluster_for",
+    "load_plan",
+    "percentile",
+    "run_validation",
+    "summarize",
+]

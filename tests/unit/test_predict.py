@@ -1,0 +1,159 @@
+"""The step simulator on hand-made profiles whose answers are known in closed form."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync.predict.network import Cluster, Network, calibrate
+from gradsync.predict.profile import LayerProfile, Profile, VariableProfile
+from gradsync.predict.simulate import (
+    StrategyChoice,
+    ddp_bucket_caps,
+    plan_ddp_buckets,
+    predict_step,
+)
+from gradsync.strategies.allreduce import AllreduceOptions
+from gradsync.strategies.p3 import P3Options
+from gradsync.strategies.ps import PSOptions
+
+
+def variable(name: str, numel: int, ready: float, layer: int = 0) -> VariableProfile:
+    return VariableProfile(name=name, numel=numel, element_size=4, layer=layer, grad_ready_s=ready)
+
+
+def profile_of(
+    variables: list[VariableProfile],
+    *,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    layers: list[LayerProfile] | None = None,
+) -> Profile:
+    """A profile with free copies, optimizer and server work: only compute and wire."""
+    return Profile(
+        model="hand-made",
+        preset="none",
+        batch=10,
+        threads=1,
+        device="cpu",
+        steps=1,
+        warmup=0,
+        forward_s=forward,
+        backward_s=backward,
+        optimizer_s_per_byte=0.0,
+        copy_s_per_byte=0.0,
+        aggregate_s_per_byte=0.0,
+        apply_s_per_byte=0.0,
+        layers=tuple(layers or [LayerProfile(name="only", forward_start_s=0.0)]),
+        variables=tuple(variables),
+    )
+
+
+def ring(n: int, num_bytes: float, rate: float, hop: float) -> float:
+    return 2 * (n - 1) / n * num_bytes / rate + 2 * (n - 1) * hop
+
+
+ALLREDUCE = StrategyChoice("allreduce", AllreduceOptions())
+
+
+def test_one_bucket_after_backward_is_compute_plus_ring() -> None:
+    # Both gradients are ready only when backward ends: nothing overlaps.
+    profile = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 2.0)])
+    network = Network(bandwidth=1e6, latency=1e-3)
+    bucket_bytes = (500_000 + 2) * 4  # values + one had-a-gradient flag per variable
+    for workers in (2, 4, 8):
+        step = predict_step(profile, Cluster(workers=workers, network=network), ALLREDUCE)
+        assert step.step_s == pytest.approx(3.0 + ring(workers, bucket_bytes, 1e6, 1e-3))
+
+
+def test_one_worker_pays_no_communication() -> None:
+    profile = profile_of([variable("a", 1000, 2.0)])
+    step = predict_step(profile, Cluster(workers=1, network=Network(bandwidth=1.0)), ALLREDUCE)
+    assert step.step_s == pytest.approx(3.0)
+
+
+def test_a_bucket_ready_early_overlaps_backward_completely() -> None:
+    # 8 KB at 1 MB/s with 4 workers: 12 ms of ring launched 1 s before backward ends.
+    profile = profile_of([variable("a", 1000, 0.5), variable("b", 1000, 1.0)])
+    step = predict_step(profile, Cluster(workers=4, network=Network(bandwidth=1e6)), ALLREDUCE)
+    assert step.step_s == pytest.approx(3.0)
+    assert step.exposed_comm_s == pytest.approx(0.0)
+
+
+def test_buckets_launch_in_order_even_if_a_later_one_is_ready_first() -> None:
+    # Fusion off: one bucket per variable, last parameter first. "a" (bucket 1) is ready at
+    # 0.1 s but waits for "b" (bucket 0), ready only at the end of backward (2.0 s).
+    profile = profile_of([variable("a", 250_000, 0.1), variable("b", 250_000, 2.0)])
+    network = Network(bandwidth=1e6)
+    no_fusion = StrategyChoice("allreduce", AllreduceOptions(fusion_threshold_mb=0))
+    step = predict_step(profile, Cluster(workers=2, network=network), no_fusion)
+    one = ring(2, (250_000 + 1) * 4, 1e6, 0.0)
+    assert step.step_s == pytest.approx(3.0 + 2 * one)
+
+
+def test_ddp_buckets_follow_ready_order_with_a_small_first_bucket() -> None:
+    first_cap, cap = ddp_bucket_caps()
+    assert (first_cap, cap) == (1 << 20, 25 << 20)  # torch's defaults, read from torch
+    quarter_mb = (1 << 20) // 16  # 256 KiB of float32 values
+    variables = tuple(variable(f"v{i}", quarter_mb, ready=10.0 - i) for i in range(10))
+    buckets = plan_ddp_buckets(variables)
+    assert buckets[0] == [9, 8, 7, 6]  # ready first; 1 MiB fits four
+    assert buckets[1] == [5, 4, 3, 2, 1, 0]
+
+
+def test_synchronous_ps_is_push_apply_pull_through_the_server_link() -> None:
+    # One dedicated server: its inbound link carries every worker's S bytes, then its
+    # outbound link every worker's pull.
+    size = 1_000_000
+    profile = profile_of([variable("a", size // 4, 2.0)])
+    network = Network(bandwidth=1e6, latency=1e-3)
+    for workers in (1, 3):
+        step = predict_step(
+            profile, Cluster(workers=workers, network=network), StrategyChoice("ps", PSOptions())
+        )
+        assert step.step_s == pytest.approx(3.0 + 2 * (workers * size / 1e6 + 1e-3))
+
+
+def test_colocated_ps_keeps_the_local_shard_off_the_wire() -> None:
+    # Two variables on two colocated servers: each worker sends only the other's shard.
+    profile = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 2.0)])
+    cluster = Cluster(workers=2, network=Network(bandwidth=1e6))
+    step = predict_step(profile, cluster, StrategyChoice("ps", PSOptions(colocate=True)))
+    assert step.step_s == pytest.approx(3.0 + 2 * 1.0)
+
+
+def p3_case(priority: bool) -> float:
+    """Layer 0 (1 slice) becomes ready 1 s after layer 1's 6 slices; every slice takes 1 s
+    on each link. Derivation in docs/predict.md ("a priority case"): the next forward waits
+    for layer 0 until backward end + 6 s with priority, + 8 s without (FIFO)."""
+    profile = profile_of(
+        [variable("w0", 1000, 1.0, layer=0), variable("w1", 6000, 0.0, layer=1)],
+        forward=2.0,
+        backward=1.0,
+        layers=[
+            LayerProfile(name="l0", forward_start_s=0.0),
+            LayerProfile(name="l1", forward_start_s=1.0),
+        ],
+    )
+    cluster = Cluster(workers=1, network=Network(bandwidth=4000.0))
+    choice = StrategyChoice("p3", P3Options(slice_size=1000, priority=priority))
+    return predict_step(profile, cluster, choice).step_s
+
+
+def test_p3_priority_lets_the_first_layer_overtake() -> None:
+    assert p3_case(priority=True) == pytest.approx(9.0)
+    assert p3_case(priority=False) == pytest.approx(10.0)
+
+
+def test_calibration_recovers_latency_and_efficiency(tmp_path) -> None:
+    import json
+
+    n, rate, hop = 2, 0.9 * 125e6, 2e-4  # 90% of 1 Gbit/s, 200 us per message
+    rows = [
+        {"op": "allreduce", "bytes": size, "time_s": ring(n, size, rate, hop)}
+        for size in (1 << 16, 1 << 20, 1 << 24)
+    ]
+    path = tmp_path / "commbench.json"
+    path.write_text(json.dumps({"world_size": n, "bandwidth": "1gbit", "results": rows}))
+    fitted = calibrate(Network(bandwidth=125e6), path)
+    assert fitted.message_s == pytest.approx(hop)
+    assert fitted.efficiency == pytest.approx(0.9)

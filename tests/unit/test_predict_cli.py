@@ -1,0 +1,130 @@
+"""``gradsync profile`` / ``gradsync predict`` end to end in-process: files, errors, cost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradsync.cli import main
+from gradsync.predict.network import Cluster
+from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
+from tests.unit.test_predict import profile_of, variable
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profile") / "mnist.json"
+    assert main(["profile", "--model", "mnist-cnn", "--preset", "tiny", "--steps", "4",
+                 "--warmup", "1", "--out", str(path)]) == 0  # fmt: skip
+    return path
+
+
+def test_profile_round_trips_and_describes_the_model(tiny_profile: Path) -> None:
+    profile = Profile.load(tiny_profile)
+    assert Profile.from_json(profile.to_json()) == profile
+    assert profile.batch == 8 and profile.threads == 1
+    from gradsync.models import build_workload
+
+    model = build_workload("mnist-cnn", preset="tiny").model
+    assert [v.name for v in profile.variables] == [n for n, _ in model.named_parameters()]
+    starts = [layer.forward_start_s for layer in profile.layers]
+    assert starts == sorted(starts)  # layers are numbered in forward order
+    assert all(0 <= v.grad_ready_s <= profile.backward_s * 1.5 for v in profile.variables)
+
+
+def test_sparse_rows_are_profiled() -> None:
+    profile = measure_profile(
+        ProfileRequest(
+            model="lstm-lm", preset="tiny", model_options={"sparse": "true"}, steps=3, warmup=1
+        )
+    )
+    sparse = {v.name: v for v in profile.sparse_variables}
+    assert "embedding.weight" in sparse
+    assert 0 < sparse["embedding.weight"].rows_touched <= sparse["embedding.weight"].num_rows
+
+
+def test_predict_writes_table_json_plots_and_trace(tiny_profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = main(["predict", "--profile", str(tiny_profile), "--workers", "1,2,4",
+                 "--bandwidth", "100mbit,1gbit", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    payload = json.loads((out / "predictions.json").read_text())
+    assert len(payload["points"]) == 5 * 3 * 2
+    assert {r["bandwidth"] for r in payload["recommendations"]} == {"100mbit", "1gbit"}
+    for name in ("predictions.md", "scaling.png", "bandwidth.png"):
+        assert (out / name).stat().st_size > 0
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert {e["name"] for e in trace if e["ph"] == "X"} >= {"FORWARD", "BACKWARD"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["predict", "--profile", "no/such/profile.json"], "does not exist"),
+        (["predict", "--profile", "{profile}", "--strategies", "gossip"], "gossip"),
+        (["predict", "--profile", "{profile}", "--bandwidth", "0gbit"], "0gbit"),
+        (["predict", "--profile", "{profile}", "--workers", "0"], "positive"),
+        (["predict", "--profile", "{bad}"], "not a gradsync profile"),
+        (["predict", "--validate", "no/such.toml"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], words: str, tiny_profile: Path, tmp_path: Path, capsys
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    argv = [a.format(profile=tiny_profile, bad=bad) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
+
+
+def test_prediction_work_grows_linearly_with_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Counted, not timed: host lookups per prediction stay proportional to the worker count
+    # (the link model never loops over worker pairs).
+    from gradsync.predict.network import Network
+    from gradsync.predict.simulate import StrategyChoice, predict_step
+
+    calls = 0
+    original = Cluster.worker_host
+
+    def counting(self: Cluster, worker: int) -> int:
+        nonlocal calls
+        calls += 1
+        return original(self, worker)
+
+    monkeypatch.setattr(Cluster, "worker_host", counting)
+    profile = profile_of([variable(f"v{i}", 10_000, 2.0 - i / 10) for i in range(10)])
+    counts = {}
+    for workers in (64, 256):
+        calls = 0
+        cluster = Cluster(workers=workers, network=Network(bandwidth=1e9))
+        for name in ("allreduce", "ddp", "ps", "hybrid", "p3"):
+            predict_step(profile, cluster, StrategyChoice(name))
+        counts[workers] = calls
+    assert counts[256] <= 4 * counts[64] * 1.1
+
+
+def test_validation_plan_places_ranks_as_the_launcher_does(tmp_path: Path) -> None:
+    from gradsync.errors import UserError
+    from gradsync.predict.sweep import parse_choice
+    from gradsync.predict.validate import cluster_for, load_plan
+
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(
+        'strategies = ["ps", "ps:colocate"]\nbandwidths = ["1gbit"]\n[[model]]\nname = "vgg16"\n'
+    )
+    plan = load_plan(plan_file)
+    # 2 workers + 1 server on 2 hosts: ranks 0 and 1 share host 0, the server has host 1.
+    ps = cluster_for(plan, parse_choice("ps"), "1gbit")
+    assert [ps.worker_host(w) for w in range(2)] == [0, 0] and ps.server_host(0) == 1
+    colocated = cluster_for(plan, parse_choice("ps:colocate"), "1gbit")
+    assert [colocated.server_host(s) for s in range(2)] == [0, 1]
+    text = plan_file.read_text()
+    for bad, words in (('colour = "blue"\n' + text, "unknown key 'colour'"),
+                       (text + 'colour = "blue"\n', "'colour' in \\[\\[model\\]\\]")):  # fmt: skip
+        plan_file.write_text(bad)
+        with pytest.raises(UserError, match=words):
+            load_plan(plan_file)
