@@ -11,10 +11,8 @@ header (a job killed between the two) is ignored with a warning.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +24,9 @@ from torch import Tensor, nn
 
 from gradsync import __version__
 from gradsync.errors import UserError
+from gradsync.files import atomic_write_bytes, atomic_write_text
 
 PARAM, BUFFER, OPTIM = "param/", "buffer/", "optim/"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 @dataclass(frozen=True)
@@ -68,27 +65,6 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-
-
-def atomic_write_bytes(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path``: readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; results are for everyone
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file + rename)."""
-    atomic_write_bytes(path, lambda tmp: tmp.write_text(text))
 
 
 def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:

@@ -34,9 +34,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from gradsync.checkpoint import atomic_write_text
 from gradsync.config import LaunchConfig
 from gradsync.errors import UserError
+from gradsync.files import atomic_write_text
 from gradsync.tables import markdown_table, print_table
 from gradsync.topology import RankEnv, default_threads
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from gradsync.checkpoint import atomic_write_text
 from gradsync.config import LaunchConfig, TrainConfig
 from gradsync.errors import JobFailed, UserError
+from gradsync.files import atomic_write_text
 from gradsync.heartbeat import ENV_FD, LastBeat
 from gradsync.netem import EmulatedHosts, parse_rate, place_ranks
 from gradsync.strategies import world_size_of

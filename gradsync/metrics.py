@@ -13,7 +13,8 @@ from typing import IO, Any
 
 import torch
 
-from gradsync.checkpoint import atomic_write_text, versions
+from gradsync.checkpoint import versions
+from gradsync.files import atomic_write_text
 from gradsync.stats import throughput
 
 METRICS_DIR = "metrics"

@@ -46,8 +46,10 @@ def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
     """
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a folder; pick another {flag}")
-    if path.is_dir() and any(path.iterdir()):
-        found = sorted(p.name for p in path.iterdir())
+    found = (
+        sorted(p.name for p in path.iterdir() if not _other_node(p.name)) if path.is_dir() else []
+    )
+    if found:
         if not overwrite:
             raise UserError(
                 f"{flag} {path} already holds a run ({', '.join(found[:3])}"
@@ -59,8 +61,17 @@ def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
                 f"--overwrite refuses to clear {path}: it holds files but no gradsync run "
                 f"({', '.join(found[:3])}); pick another {flag}"
             )
-        shutil.rmtree(path)
+        for item in path.iterdir():
+            if item.is_dir():
+                shutil.rmtree(item)
+            elif not _other_node(item.name):
+                item.unlink()
     check_writable(path, flag=flag)
+
+
+def _other_node(name: str) -> bool:
+    """Bookkeeping of another node of the same multi-node job, which may start first."""
+    return name.startswith(("ranks-node", ".launch-node", ".gradsync-probe."))
 
 
 def check_writable(path: Path, *, flag: str = "--out") -> None:

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
+from gradsync.checkpoint import load_checkpoint, save_checkpoint
 from gradsync.comm.batchnorm import convert_batchnorm, has_batchnorm
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed, shard_bounds
 from gradsync.errors import UserError
 from gradsync.evaluate import validation_accuracy
+from gradsync.files import atomic_write_text
 from gradsync.heartbeat import beat, beating
 from gradsync.launch import STOPPED_PREFIX
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
@@ -76,11 +78,10 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
 def _train_and_record(
     config: TrainConfig, env: RankEnv, device: torch.device, threads: int
 ) -> None:
-    out = Path(config.out)
-    num_workers = config.workers
-    role = "worker" if env.rank < num_workers else "server"
+    """One rank's whole job: serve (server ranks) or train, checkpoint and summarize."""
+    role = "worker" if env.rank < config.workers else "server"
     timeline = open_timeline(
-        out,
+        Path(config.out),
         path=config.timeline,
         window_text=config.timeline_steps,
         rank=env.rank,
@@ -91,29 +92,68 @@ def _train_and_record(
     # Server ranks (strategies that have them) come after the workers. new_group is
     # collective: every rank creates the worker group, even the servers.
     worker_group = (
-        dist.new_group(list(range(num_workers)))
-        if dist.is_initialized() and env.world_size > num_workers
+        dist.new_group(list(range(config.workers)))
+        if dist.is_initialized() and env.world_size > config.workers
         else None
     )
-    if env.rank >= num_workers:  # a dedicated server: no model, no data, no trainer
-        try:
-            _serve(config, env, strategy, device, worker_group, timeline)
-        finally:
-            timeline.close()  # its events are on disk before rank 0 merges them
-        beat("barrier")
-        dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
+    if role == "server":  # a dedicated server: no model, no data, no trainer
+        _serve_until_done(config, env, strategy, device, worker_group, timeline)
         return
+    run = _prepare_worker(config, env, strategy, device, worker_group, timeline, threads)
+    _train_with_metrics(run, strategy)
+    _finish_worker(run, strategy, timeline)
 
+
+def _serve_until_done(
+    config: TrainConfig,
+    env: RankEnv,
+    strategy: Strategy,
+    device: torch.device,
+    worker_group: Any,
+    timeline: NullTimeline,
+) -> None:
+    try:
+        _serve(config, env, strategy, device, worker_group, timeline)
+    finally:
+        timeline.close()  # its events are on disk before rank 0 merges them
+    beat("barrier")
+    dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
+
+
+@dataclass
+class _WorkerRun:
+    """What a worker rank's training, checkpoints and summary share."""
+
+    config: TrainConfig
+    env: RankEnv
+    workload: Workload
+    global_batch: int
+    context: Context
+    meta: dict[str, Any]
+    threads: int
+
+    @property
+    def out(self) -> Path:
+        return Path(self.config.out)
+
+
+def _prepare_worker(
+    config: TrainConfig,
+    env: RankEnv,
+    strategy: Strategy,
+    device: torch.device,
+    worker_group: Any,
+    timeline: NullTimeline,
+    threads: int,
+) -> _WorkerRun:
+    """Build the model (same initial parameters on every rank), probe it, set BatchNorm's
+    mode, and make the strategy's context."""
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     workload = workload_of(config, dropout=not config.deterministic)
     global_batch = config.global_batch or workload.global_batch
-    model = workload.model.to(device)
+    workload.model.to(device)
     missing = _probe_gradients(strategy, workload, global_batch, env.rank, worker_group, device)
-    if num_workers > 1 and config.batchnorm == "global":
-        if convert_batchnorm(model, group=worker_group) and env.rank == 0:
-            print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
-    elif num_workers > 1 and has_batchnorm(model) and env.rank == 0:
-        print("[rank 0] BatchNorm statistics per worker shard (--batchnorm local)")
+    _set_batchnorm_mode(config, workload.model, worker_group, env.rank)
     if env.rank == 0 and (per_epoch := _iterations_per_epoch(workload, global_batch)):
         print(
             f"[rank 0] data: {workload.num_train_samples:,} training samples, so an epoch is "
@@ -121,15 +161,13 @@ def _train_and_record(
             flush=True,
         )
     torch.manual_seed(mix_seed(config.seed, env.rank))  # dropout differs per rank, reproducibly
-
-    base_batch = workload.global_batch
-    lr = effective_lr(config.optim, global_batch, base_batch)
+    lr = effective_lr(config.optim, global_batch, workload.global_batch)
     context = Context(
         config=config,
         rank=env.rank,
         world_size=env.world_size,
         worker_index=env.rank,
-        num_workers=num_workers,
+        num_workers=config.workers,
         device=device,
         worker_group=worker_group,
         make_updater=lambda params: Updater(params, config.optim, lr=lr, timeline=timeline),
@@ -137,20 +175,28 @@ def _train_and_record(
         lr=lr,
         missing_gradients=missing,
     )
-    if env.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.json", config.to_json() + "\n")
-    checkpoint = load_checkpoint(out / CHECKPOINT_FILE) if config.resume else None
-    writer = MetricsWriter(
-        out, env.rank, keep_before=int(checkpoint.meta["step"]) if checkpoint else None
-    )
-    progress = StepProgress(config.steps, enabled=env.rank == 0, log_every=config.log_every)
-    meta = {
+    meta = _run_meta(config, global_batch, lr, threads)
+    return _WorkerRun(config, env, workload, global_batch, context, meta, threads)
+
+
+def _set_batchnorm_mode(
+    config: TrainConfig, model: torch.nn.Module, worker_group: Any, rank: int
+) -> None:
+    if config.workers > 1 and config.batchnorm == "global":
+        if convert_batchnorm(model, group=worker_group) and rank == 0:
+            print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
+    elif config.workers > 1 and has_batchnorm(model) and rank == 0:
+        print("[rank 0] BatchNorm statistics per worker shard (--batchnorm local)")
+
+
+def _run_meta(config: TrainConfig, global_batch: int, lr: float, threads: int) -> dict[str, Any]:
+    """The settings recorded with every checkpoint and in the summary."""
+    return {
         "model": config.model,
         "preset": config.preset,
         "model_options": config.model_options,
         "strategy": config.strategy,
-        "workers": num_workers,
+        "workers": config.workers,
         "seed": config.seed,
         "global_batch": global_batch,
         "optimizer": config.optim.name,
@@ -162,63 +208,85 @@ def _train_and_record(
         "threads": threads,
     }
 
+
+def _train_with_metrics(run: _WorkerRun, strategy: Strategy) -> None:
+    """The training loop with per-step metrics, progress, periodic checkpoints and resume."""
+    config, rank, out = run.config, run.env.rank, run.out
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.json", config.to_json() + "\n")
+    checkpoint = load_checkpoint(out / CHECKPOINT_FILE) if config.resume else None
+    writer = MetricsWriter(
+        out, rank, keep_before=int(checkpoint.meta["step"]) if checkpoint else None
+    )
+    progress = StepProgress(config.steps, enabled=rank == 0, log_every=config.log_every)
+
     def on_step(record: StepRecord) -> None:
         writer.write(record)
         progress.update(record)
         done = record.step + 1
         if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps:
             beat("checkpoint", record.step)
-            _write_checkpoint(strategy, out, {**meta, "step": done}, context)
+            _write_checkpoint(strategy, out, {**run.meta, "step": done}, run.context)
 
     def restore_checkpoint(strategy: Strategy) -> int:
         assert checkpoint is not None and strategy.model is not None
-        return restore(checkpoint, strategy.model, strategy.updater, env.rank)
+        return restore(checkpoint, strategy.model, strategy.updater, rank)
 
     with progress:
         train(
-            workload,
+            run.workload,
             strategy,
-            context,
-            global_batch=global_batch,
+            run.context,
+            global_batch=run.global_batch,
             on_step=on_step,
             restore=restore_checkpoint if checkpoint is not None else None,
         )
     writer.close()
+
+
+def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: NullTimeline) -> None:
+    """Final checkpoint, release the strategy, validation accuracy; rank 0 merges the
+    timeline and writes the summary once every rank's metrics are on disk."""
+    config, env, out = run.config, run.env, run.out
     beat("finish")
-    _write_checkpoint(strategy, out, {**meta, "step": config.steps}, context)
+    _write_checkpoint(strategy, out, {**run.meta, "step": config.steps}, run.context)
     strategy.finish()
     timeline.close()  # after finish: a colocated server thread records until then
     beat("validate")
+    workload = run.workload
+    device = run.context.device
     accuracy = validation_accuracy(workload.model, workload, device) if env.rank == 0 else None
     beat("barrier")
     if dist.is_initialized():
         dist.barrier()  # every rank's metrics are on disk before rank 0 summarizes
-    if env.rank == 0 and config.timeline is not None:
-        count = merge_rank_files(out, Path(config.timeline), {**meta, "steps": config.steps})
+    if env.rank != 0:
+        return
+    if config.timeline is not None:
+        count = merge_rank_files(out, Path(config.timeline), {**run.meta, "steps": config.steps})
         print(f"[rank 0] timeline: {count} events in {config.timeline}", flush=True)
-    if env.rank == 0:
-        summary = summarize(
-            out,
-            global_batch=global_batch,
-            measure_warmup=config.measure_warmup,
-            world_size=env.world_size,
-            run_info={
-                **meta,
-                "steps": config.steps,
-                "launcher": env.launcher,
-                "environment": environment(threads),
-                "validation_accuracy": accuracy,
-                "iterations_per_epoch": _iterations_per_epoch(workload, global_batch),
-            },
-        )
-        print(
-            f"[rank 0] {config.strategy}: {summary['throughput']['median']:,.1f} samples/s "
-            f"(median after {summary['throughput']['warmup_steps']} warm-up steps), "
-            f"final loss {summary['final_loss']:.4f}"
-            + ("" if accuracy is None else f", validation accuracy {accuracy:.1%}")
-            + f"; results in {out}",
-            flush=True,
-        )
+    summary = summarize(
+        out,
+        global_batch=run.global_batch,
+        measure_warmup=config.measure_warmup,
+        world_size=env.world_size,
+        run_info={
+            **run.meta,
+            "steps": config.steps,
+            "launcher": env.launcher,
+            "environment": environment(run.threads),
+            "validation_accuracy": accuracy,
+            "iterations_per_epoch": _iterations_per_epoch(workload, run.global_batch),
+        },
+    )
+    print(
+        f"[rank 0] {config.strategy}: {summary['throughput']['median']:,.1f} samples/s "
+        f"(median after {summary['throughput']['warmup_steps']} warm-up steps), "
+        f"final loss {summary['final_loss']:.4f}"
+        + ("" if accuracy is None else f", validation accuracy {accuracy:.1%}")
+        + f"; results in {out}",
+        flush=True,
+    )
 
 
 def _probe_gradients(

@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync.checkpoint import atomic_write_text
 from gradsync.errors import UserError
+from gradsync.files import atomic_write_text
 from gradsync.tables import print_table
 from gradsync.trace import (
     COMPUTE_PHASES,

@@ -30,7 +30,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import atomic_write_text
+from gradsync.files import atomic_write_text
 
 COMPUTE = "compute"
 TIMELINE_DIR = "timeline"

@@ -36,10 +36,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gradsync.checkpoint import Checkpoint, atomic_write_text, load_checkpoint
+from gradsync.checkpoint import Checkpoint, load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
 from gradsync.config import TrainConfig
 from gradsync.errors import JobFailed, UserError
+from gradsync.files import atomic_write_text
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
 from gradsync.options import field_names, parse_texts

@@ -17,8 +17,8 @@ from typing import Any
 from gradsync.bench.analysis import Row, analyse
 from gradsync.bench.experiment import PublishedGain, load_experiment
 from gradsync.bench.sweep import load_results
-from gradsync.checkpoint import atomic_write_text
 from gradsync.errors import UserError
+from gradsync.files import atomic_write_text
 from gradsync.tables import markdown_table
 
 PLOTS_DIR = "plots"

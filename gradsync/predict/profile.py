@@ -169,7 +169,7 @@ class Profile:
         return profile
 
     def save(self, path: Path) -> None:
-        from gradsync.checkpoint import atomic_write_text
+        from gradsync.files import atomic_write_text
 
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, self.to_json() + "\n")

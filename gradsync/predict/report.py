@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradsync.checkpoint import atomic_write_text
+from gradsync.files import atomic_write_text
 from gradsync.predict.profile import Profile
 from gradsync.predict.simulate import StepPrediction
 from gradsync.predict.sweep import GridPoint, Recommendation, single_step_s

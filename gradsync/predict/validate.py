@@ -382,7 +382,7 @@ def compute_spread(cells: list[dict[str, Any]]) -> dict[str, tuple[float, float,
 
 def summarize(cells: list[dict[str, Any]], out: Path, plan: ValidationPlan) -> dict[str, Any]:
     """Write ``validation.json`` and ``validation.md``; return the summary."""
-    from gradsync.checkpoint import atomic_write_text
+    from gradsync.files import atomic_write_text
     from gradsync.tables import markdown_table
 
     cells = [_with_spread(c, out) for c in cells]

@@ -16,6 +16,7 @@ from tests.e2e.conftest import REPO, gradsync
 TINY = REPO / "experiments" / "tiny.toml"
 
 
+@pytest.mark.slow
 def test_tiny_experiment_end_to_end(workdir: Path) -> None:
     result = gradsync("bench", str(TINY), "--out", "results", cwd=workdir)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -47,6 +48,7 @@ def test_tiny_experiment_end_to_end(workdir: Path) -> None:
         assert image.shape[0] > 100 and image.std() > 0.01  # a real picture, not blank
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_without_redoing_cells(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -83,6 +85,7 @@ def test_interrupted_sweep_resumes_without_redoing_cells(
     assert write_report(workdir / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(workdir: Path) -> None:
     experiment_file = workdir / "fail.toml"
     data = workdir / "broken"
@@ -110,13 +113,29 @@ BAD_FILES = {
         "unknown key 'workerz'",
         "allowed keys:",
     ),
-    "unknown strategy": ('strategies = ["gossip"]\n', "unknown strategy 'gossip'", "allowed:"),
+    "unknown strategy": (
+        'models = ["mnist-cnn"]\nstrategies = ["gossip"]\n',
+        "unknown strategy 'gossip'",
+        "allowed:",
+    ),
     "workers not positive": (
-        "workers = [2, 0]\n",
+        'models = ["mnist-cnn"]\nworkers = [2, 0]\n',
         "workers must be a list of positive integers",
         "[2, 0]",
     ),
-    "workers not integers": ('workers = ["two"]\n', "workers must be a list of positive", "two"),
+    "workers not integers": (
+        'models = ["mnist-cnn"]\nworkers = ["two"]\n',
+        "workers must be a list of positive",
+        "two",
+    ),
+    "empty file": ("", "names no models"),
+    "old warm-up key": ('models = ["mnist-cnn"]\nwarmup_steps = 3\n', "is now 'measure_warmup'"),
+    "lr true": ('models = ["mnist-cnn"]\nlr = true\n', "lr must be a finite number"),
+    "option of the wrong type": (
+        'models = ["mnist-cnn"]\n[sweep]\np3.slice_size = [1.5]\n',
+        "p3.slice_size must be an integer",
+    ),
+    "unknown option": ('models = ["mnist-cnn"]\n[options.ps]\nslices = 3\n', "unknown option"),
 }
 
 
