@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gradsync.config import OptimConfig
-from gradsync.trace import COMPUTE, NullTimeline, Phase
+from gradsync.trace import COMPUTE, NullTimeline, Phase, Timeline
 
 
 def effective_lr(config: OptimConfig, global_batch: int, base_batch: int) -> float:
@@ -42,7 +42,7 @@ class Updater:
         config: OptimConfig,
         *,
         lr: float,
-        timeline: NullTimeline | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         params = list(params)
         self.timeline = timeline or NullTimeline()

@@ -39,7 +39,7 @@ from gradsync.resume import restore, resumable, rng_tensors
 from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
-from gradsync.trace import NullTimeline, merge_rank_files, open_timeline
+from gradsync.trace import Timeline, merge_rank_files, open_timeline
 from gradsync.trainer import LossNotFinite, train
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -110,7 +110,7 @@ def _serve_until_done(
     strategy: Strategy,
     device: torch.device,
     worker_group: Any,
-    timeline: NullTimeline,
+    timeline: Timeline,
 ) -> None:
     try:
         _serve(config, env, strategy, device, worker_group, timeline)
@@ -143,7 +143,7 @@ def _prepare_worker(
     strategy: Strategy,
     device: torch.device,
     worker_group: Any,
-    timeline: NullTimeline,
+    timeline: Timeline,
     threads: int,
 ) -> _WorkerRun:
     """Build the model (same initial parameters on every rank), probe it, set BatchNorm's
@@ -245,7 +245,7 @@ def _train_with_metrics(run: _WorkerRun, strategy: Strategy) -> None:
     writer.close()
 
 
-def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: NullTimeline) -> None:
+def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: Timeline) -> None:
     """Final checkpoint, release the strategy, validation accuracy; rank 0 merges the
     timeline and writes the summary once every rank's metrics are on disk."""
     config, env, out = run.config, run.env, run.out
@@ -322,7 +322,7 @@ def _serve(
     strategy: Strategy,
     device: torch.device,
     worker_group: Any,
-    timeline: NullTimeline,
+    timeline: Timeline,
 ) -> None:
     """A dedicated server rank: serve until every worker is done (it writes its own metrics)."""
     context = Context(

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,30 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     return window
 
 
+class Timeline(Protocol):
+    """What strategies, the trainer and the servers record phases with: spans and
+    begin/end pairs on named tracks, per step. Two implementations: :class:`NullTimeline`
+    (recording off) and :class:`RecordingTimeline` (``--timeline``)."""
+
+    enabled: bool
+
+    def start_step(self, step: int) -> None: ...
+
+    def span(
+        self, track: str, name: str, *, step: int | None = None, **args: Any
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+    def begin(self, track: str, name: str, *, step: int | None = None, **args: Any) -> None: ...
+
+    def end(self, track: str, name: str, *, step: int | None = None, **args: Any) -> None: ...
+
+    def record_step(self, step: int, started: float, elapsed: float) -> None: ...
+
+    def instrument_forward(self, model: torch.nn.Module) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class NullTimeline:
     """Recording off: every method is a no-op."""
 
@@ -118,7 +142,7 @@ class NullTimeline:
         pass
 
 
-class Timeline(NullTimeline):
+class RecordingTimeline(NullTimeline):
     """Records events of one rank into ``<out>/timeline/rank<rank>.jsonl``.
 
     Timestamps are ``time.perf_counter()`` in microseconds plus ``offset_us`` (rank 0's
@@ -320,7 +344,7 @@ def open_timeline(
     rank: int,
     world_size: int,
     role: str,
-) -> NullTimeline:
+) -> Timeline:
     """A recording :class:`Timeline` when ``path`` is set (clocks aligned), else a no-op one.
 
     Every rank of the job must call it (clock alignment talks to rank 0).
@@ -328,7 +352,7 @@ def open_timeline(
     if path is None:
         return NullTimeline()
     offset = clock_offset_us(rank, world_size) if dist.is_initialized() else 0.0
-    return Timeline(
+    return RecordingTimeline(
         out_dir, rank=rank, role=role, window=parse_window(window_text), offset_us=offset
     )
 

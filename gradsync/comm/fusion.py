@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.comm.counters import CommStats
-from gradsync.trace import COMPUTE, NullTimeline, Phase
+from gradsync.trace import COMPUTE, NullTimeline, Phase, Timeline
 
 
 @dataclass
@@ -105,7 +105,7 @@ class FusedAllreduce:
         params: Sequence[nn.Parameter],
         *,
         names: Sequence[str] | None = None,
-        timeline: NullTimeline | None = None,
+        timeline: Timeline | None = None,
         threshold_bytes: int,
         first_bucket_bytes: int | None = None,
         group: Any,

@@ -43,7 +43,7 @@ from gradsync.comm.wire import (
     encode_state,
     nbytes,
 )
-from gradsync.trace import NullTimeline, Phase
+from gradsync.trace import NullTimeline, Phase, Timeline
 
 _STOP = object()
 LOG_LIMIT = 100_000
@@ -176,7 +176,7 @@ class P3Server(ServerPolicy):
         num_workers: int,
         fifo: bool,
         timeout_s: float,
-        timeline: NullTimeline | None = None,
+        timeline: Timeline | None = None,
         track: str = "server",
     ) -> None:
         self.states, self.outbox, self.metrics = states, outbox, metrics

@@ -37,7 +37,7 @@ from gradsync.comm.wire import (
     Recv,
     ServerLinks,
 )
-from gradsync.trace import NullTimeline, Phase
+from gradsync.trace import NullTimeline, Phase, Timeline
 
 
 def dense_reader(size: int) -> Callable[[Header, Recv], list[Tensor]]:
@@ -65,7 +65,7 @@ class DenseServer(ServerPolicy):
         num_workers: int,
         synchronous: bool,
         staleness: int | None = None,
-        timeline: NullTimeline | None = None,
+        timeline: Timeline | None = None,
         track: str = "server",
     ) -> None:
         self.state, self.outbox, self.metrics = state, outbox, metrics
@@ -159,7 +159,7 @@ class Client(ServerLinks):
         *,
         sizes: Sequence[int],
         push_sizes: Sequence[int],
-        timeline: NullTimeline | None = None,
+        timeline: Timeline | None = None,
         **links: Any,
     ) -> None:
         super().__init__(**links)

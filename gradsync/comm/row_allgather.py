@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from gradsync.comm.counters import CommStats
 from gradsync.comm.sparse import coalesce_rows, sum_rows
-from gradsync.trace import NullTimeline, Phase
+from gradsync.trace import NullTimeline, Phase, Timeline
 
 TRACK = "sparse-allgather"
 
@@ -84,7 +84,7 @@ class RowAllgather:
         group: Any,
         world_size: int,
         stats: CommStats,
-        timeline: NullTimeline | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.names = [name for name, _ in params]
         self.params = [param for _, param in params]

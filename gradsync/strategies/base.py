@@ -27,7 +27,7 @@ from gradsync.comm.wire import Inbox
 from gradsync.config import TrainConfig
 from gradsync.optim import Updater
 from gradsync.options import InvalidOption, StrategyOptions, option
-from gradsync.trace import NullTimeline
+from gradsync.trace import NullTimeline, Timeline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +50,7 @@ class Context:
     device: torch.device
     worker_group: Any
     make_updater: Callable[[Iterable[nn.Parameter]], Updater]
-    timeline: NullTimeline = field(default_factory=NullTimeline)
+    timeline: Timeline = field(default_factory=NullTimeline)
     role: str = "worker"
     lr: float = 0.0
     missing_gradients: frozenset[str] | None = None

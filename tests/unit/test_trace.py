@@ -15,7 +15,14 @@ from gradsync.timeline_summary import (
     subtract,
     summarize_trace,
 )
-from gradsync.trace import COMPUTE, NullTimeline, Phase, Timeline, merge_rank_files, parse_window
+from gradsync.trace import (
+    COMPUTE,
+    NullTimeline,
+    Phase,
+    RecordingTimeline,
+    merge_rank_files,
+    parse_window,
+)
 
 
 def test_parse_window() -> None:
@@ -34,7 +41,7 @@ def test_null_timeline_records_nothing(tmp_path: Path) -> None:
 
 
 def test_recorder_keeps_only_the_window_and_merges(tmp_path: Path) -> None:
-    timeline = Timeline(tmp_path, rank=0, role="worker", window=(1, 2))
+    timeline = RecordingTimeline(tmp_path, rank=0, role="worker", window=(1, 2))
     for step in range(3):
         timeline.start_step(step)
         with timeline.span(COMPUTE, Phase.FORWARD):
