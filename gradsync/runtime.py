@@ -97,27 +97,11 @@ def _train_and_record(
         else None
     )
     if role == "server":  # a dedicated server: no model, no data, no trainer
-        _serve_until_done(config, env, strategy, device, worker_group, timeline)
+        _serve(config, env, strategy, device, worker_group, timeline)
         return
     run = _prepare_worker(config, env, strategy, device, worker_group, timeline, threads)
     _train_with_metrics(run, strategy)
     _finish_worker(run, strategy, timeline)
-
-
-def _serve_until_done(
-    config: TrainConfig,
-    env: RankEnv,
-    strategy: Strategy,
-    device: torch.device,
-    worker_group: Any,
-    timeline: Timeline,
-) -> None:
-    try:
-        _serve(config, env, strategy, device, worker_group, timeline)
-    finally:
-        timeline.close()  # its events are on disk before rank 0 merges them
-    beat("barrier")
-    dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
 
 
 @dataclass
@@ -324,7 +308,8 @@ def _serve(
     worker_group: Any,
     timeline: Timeline,
 ) -> None:
-    """A dedicated server rank: serve until every worker is done (it writes its own metrics)."""
+    """A dedicated server rank: serve until every worker is done (it writes its own metrics),
+    then wait at the final barrier with the workers."""
     context = Context(
         config=config,
         rank=env.rank,
@@ -338,8 +323,13 @@ def _serve(
         role="server",
         timeline=timeline,
     )
-    with beating("serve"):  # the server loop waits on its inbox, not on steps
-        strategy.serve(context)
+    try:
+        with beating("serve"):  # the server loop waits on its inbox, not on steps
+            strategy.serve(context)
+    finally:
+        timeline.close()  # its events are on disk before rank 0 merges them
+    beat("barrier")
+    dist.barrier()  # rank 0 summarizes once every rank's metrics are on disk
 
 
 def _write_checkpoint(
