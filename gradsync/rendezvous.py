@@ -29,6 +29,7 @@ from gradsync.errors import UserError
 from gradsync.topology import RankEnv
 
 KEY_PREFIX = "gradsync/rendezvous"
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun when its agent hosts the store
 _HOSTED_STORES: list[dist.Store] = []
 
 
@@ -164,14 +165,16 @@ def listen_socket(master_addr: str, port: int) -> socket.socket:
 
 def _connect(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
     where = f"{env.master_addr}:{env.master_port}"
+    # Under torchrun the agent already hosts the store on the master port; ranks join it.
+    hosts_store = env.rank == 0 and os.environ.get(AGENT_STORE, "").lower() != "true"
     try:
         listen_fd = None
-        if env.rank == 0:  # the store's server listens on the master address only
+        if hosts_store:  # the store's server listens on the master address only
             listen_fd = listen_socket(env.master_addr, env.master_port).detach()
         return dist.TCPStore(
             env.master_addr,
             env.master_port,
-            is_master=env.rank == 0,
+            is_master=hosts_store,
             timeout=timeout,
             wait_for_workers=False,
             master_listen_fd=listen_fd,
