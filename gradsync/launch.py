@@ -139,14 +139,7 @@ def launch_local(
     placement = None
     if launch.hosts:
         placement = place_ranks(world_size, launch.hosts, launch.ranks_per_host)
-    if placement is not None:
-        port = launch.master_port or DEFAULT_PORT  # a fresh namespace has every port free
-    elif launch.master_port is not None:
-        port = launch.master_port
-        if launch.node_rank == 0:
-            check_port_free(launch.master_addr, port)
-    else:
-        port = free_port(launch.master_addr) if launch.num_nodes == 1 else DEFAULT_PORT
+    port = _master_port(launch, emulated=placement is not None)
     threads = launch.threads or default_threads(local_size)
     _warn_if_oversubscribed(local_size)
     if placement is not None:
@@ -156,18 +149,7 @@ def launch_local(
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / f".launch-node{launch.node_rank}.json"
     atomic_write_text(config_path, config.to_json())
-    base_env = {
-        **os.environ,
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local_size),
-        "MASTER_ADDR": launch.master_addr,
-        "MASTER_PORT": str(port),
-        "GRADSYNC_LAUNCHER": "gradsync",
-        "OMP_NUM_THREADS": str(threads),
-        "PYTHONUNBUFFERED": "1",
-    }
-    if launch.master_addr in ("127.0.0.1", "localhost"):
-        base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    base_env = _job_environment(launch.master_addr, port, world_size, local_size, threads)
     network = (
         EmulatedHosts(max(placement) + 1, launch.bandwidth and parse_rate(launch.bandwidth))
         if placement is not None
@@ -187,9 +169,7 @@ def launch_local(
                 if hosts is not None and placement is not None:
                     env.update(_emulated_host_env(hosts, placement, rank))
                     argv = hosts.exec_argv(placement[rank], argv)
-                # Ranks after the workers are a strategy's dedicated servers (ps).
-                role = "worker" if rank < config.workers else f"server {rank - config.workers}"
-                ranks.append(_spawn(rank, role, argv, env, stdout))
+                ranks.append(_spawn(rank, _role(rank, config.workers), argv, env, stdout))
             atomic_write_text(
                 ranks_path, json.dumps({str(r.rank): r.popen.pid for r in ranks}) + "\n"
             )
@@ -203,6 +183,43 @@ def launch_local(
             stdout.close()
         config_path.unlink(missing_ok=True)
         ranks_path.unlink(missing_ok=True)
+
+
+def _master_port(launch: LaunchConfig, *, emulated: bool) -> int:
+    """The rendezvous port: the given one (checked free on node 0), a free one for a local
+    job, the default on emulated hosts (a fresh namespace has every port free) and for
+    multi-node jobs (every node must agree without talking)."""
+    if emulated:
+        return launch.master_port or DEFAULT_PORT
+    if launch.master_port is not None:
+        if launch.node_rank == 0:
+            check_port_free(launch.master_addr, launch.master_port)
+        return launch.master_port
+    return free_port(launch.master_addr) if launch.num_nodes == 1 else DEFAULT_PORT
+
+
+def _job_environment(
+    master_addr: str, port: int, world_size: int, local_size: int, threads: int
+) -> dict[str, str]:
+    """The environment every rank of this node starts with (RANK and LOCAL_RANK added)."""
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+        "GRADSYNC_LAUNCHER": "gradsync",
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if master_addr in ("127.0.0.1", "localhost"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def _role(rank: int, workers: int) -> str:
+    """Ranks after the workers are a strategy's dedicated servers."""
+    return "worker" if rank < workers else f"server {rank - workers}"
 
 
 def _spawn(
