@@ -20,11 +20,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gradsync.comm.pieces import Piece
 from gradsync.errors import UserError
 
 
@@ -42,32 +44,13 @@ class Variable:
 
 
 @dataclass(frozen=True)
-class Partition:
-    """Elements ``[start, stop)`` of the flattened variable ``name``, owned by ``server``."""
-
-    name: str
-    start: int
-    stop: int
-    element_size: int = 4
-    server: int = -1
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def num_bytes(self) -> int:
-        return self.numel * self.element_size
-
-
-@dataclass(frozen=True)
 class Placement:
     """Every partition with its server; ``partitions`` keeps model order."""
 
     num_servers: int
-    partitions: tuple[Partition, ...]
+    partitions: tuple[Piece, ...]
 
-    def on_server(self, server: int) -> list[Partition]:
+    def on_server(self, server: int) -> list[Piece]:
         """The partitions ``server`` owns, in model order (the layout of its flat buffer)."""
         return [p for p in self.partitions if p.server == server]
 
@@ -95,7 +78,7 @@ class Placement:
 
 def partition_variables(
     variables: Sequence[Variable], num_servers: int, threshold_bytes: int
-) -> list[Partition]:
+) -> list[Piece]:
     """Split each variable above ``threshold_bytes`` into near-equal contiguous partitions.
 
     A variable of B bytes becomes ``min(num_servers, ceil(B / threshold))`` partitions.
@@ -115,15 +98,17 @@ def partition_variables(
         sizes = sorted((b - a for a, b in itertools.pairwise(bounds)), reverse=True)
         start = 0
         for size in sizes:
-            partitions.append(Partition(variable.name, start, start + size, variable.element_size))
+            partitions.append(
+                Piece(variable.name, start, start + size, element_size=variable.element_size)
+            )
             start += size
     return partitions
 
 
-def place_greedy(partitions: Sequence[Partition], num_servers: int) -> list[Partition]:
+def place_greedy(partitions: Sequence[Piece], num_servers: int) -> list[Piece]:
     """Biggest first, each to the least-loaded server (ties: lowest server index)."""
     loads = [0] * num_servers
-    placed: dict[int, Partition] = {}
+    placed: dict[int, Piece] = {}
     order = sorted(range(len(partitions)), key=lambda i: (-partitions[i].num_bytes, i))
     for index in order:
         server = min(range(num_servers), key=lambda s: (loads[s], s))
@@ -132,8 +117,8 @@ def place_greedy(partitions: Sequence[Partition], num_servers: int) -> list[Part
     return [placed[i] for i in range(len(partitions))]
 
 
-def place_round_robin(partitions: Sequence[Partition], num_servers: int) -> list[Partition]:
-    """Partition i to server i mod ``num_servers``, in model order."""
+def place_round_robin(partitions: Sequence[Piece], num_servers: int) -> list[Piece]:
+    """Piece i to server i mod ``num_servers``, in model order."""
     return [_on(p, i % num_servers) for i, p in enumerate(partitions)]
 
 
@@ -147,7 +132,7 @@ def plan_placement(
     policy: str = "greedy",
     threshold_bytes: int = 4 << 20,
 ) -> Placement:
-    """Partition and place ``variables`` on ``num_servers`` servers.
+    """Piece and place ``variables`` on ``num_servers`` servers.
 
     Every server must own something: more servers than partitions is a UserError.
     """
@@ -162,13 +147,11 @@ def plan_placement(
     return Placement(num_servers, tuple(POLICIES[policy](partitions, num_servers)))
 
 
-def _on(partition: Partition, server: int) -> Partition:
-    return Partition(
-        partition.name, partition.start, partition.stop, partition.element_size, server
-    )
+def _on(partition: Piece, server: int) -> Piece:
+    return dataclasses.replace(partition, server=server)
 
 
-def _whole(partition: Partition, placement: Placement) -> bool:
+def _whole(partition: Piece, placement: Placement) -> bool:
     return sum(p.name == partition.name for p in placement.partitions) == 1
 
 
@@ -177,7 +160,7 @@ def _mb(num_bytes: int) -> str:
 
 
 __all__ = [
-    "Partition",
+    "Piece",
     "Placement",
     "Variable",
     "partition_variables",

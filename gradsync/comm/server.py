@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from gradsync.checkpoint import BUFFER, OPTIM, PARAM
 from gradsync.comm.objects import broadcast_json, broadcast_tensors
+from gradsync.comm.pieces import Piece
 from gradsync.comm.wire import TAG_REPLY, Inbox, Kind, Message, Outbox, ReadBody, decode_state
 from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
@@ -184,20 +185,6 @@ class ShardState:
 # -- checkpoint assembly and splitting ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Elements ``[start, stop)`` of variable ``name`` at ``offset`` in a server's state."""
-
-    name: str
-    start: int
-    stop: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
 def lay_out(ranges: Sequence[tuple[str, int, int]]) -> list[Piece]:
     """Consecutive pieces of one server's flat state, in the order given.
 
@@ -207,7 +194,7 @@ def lay_out(ranges: Sequence[tuple[str, int, int]]) -> list[Piece]:
     """
     pieces, offset = [], 0
     for name, start, stop in ranges:
-        pieces.append(Piece(name, start, stop, offset))
+        pieces.append(Piece(name, start, stop, offset=offset))
         offset += stop - start
     return pieces
 
@@ -220,7 +207,7 @@ def assemble_variable(
 
     Example:
         >>> state = {"values": torch.arange(4.0), "optim/step@scalar": torch.full((4,), 3.0)}
-        >>> parts = [(Piece("w", 0, 2, 0), state), (Piece("w", 2, 4, 2), state)]
+        >>> parts = [(Piece("w", 0, 2), state), (Piece("w", 2, 4, offset=2), state)]
         >>> sorted(assemble_variable(parts, torch.Size([2, 2]), "w"))
         ['optim/w/step', 'param/w']
     """
@@ -265,7 +252,7 @@ def split_variable(tensors: dict[str, Tensor], pieces: Sequence[Piece]) -> dict[
 
     Example:
         >>> ckpt = {"param/w": torch.arange(4.0), "optim/w/momentum_buffer": torch.ones(4)}
-        >>> split_variable(ckpt, [Piece("w", 2, 4, 0)])["values"].tolist()
+        >>> split_variable(ckpt, [Piece("w", 2, 4)])["values"].tolist()
         [2.0, 3.0]
     """
     keys = sorted(

@@ -20,29 +20,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from gradsync.comm.pieces import Piece
 from gradsync.errors import UserError
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Values ``[start, stop)`` of the flattened variable ``name``.
-
-    ``index`` numbers every slice of the model (model order); ``server`` owns it and keeps
-    it at ``offset`` in its flat buffer.
-    """
-
-    index: int
-    name: str
-    start: int
-    stop: int
-    server: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
 
 
 def slice_bounds(numel: int, slice_size: int | None) -> list[tuple[int, int]]:
@@ -64,7 +44,7 @@ def slice_bounds(numel: int, slice_size: int | None) -> list[tuple[int, int]]:
 
 def slice_variables(
     variables: Sequence[tuple[str, int]], *, slice_size: int | None, num_servers: int
-) -> list[Slice]:
+) -> list[Piece]:
     """Slice ``(name, numel)`` variables and place the slices round-robin on the servers.
 
     More servers than slices is a UserError (a server would own nothing).
@@ -81,12 +61,12 @@ def slice_variables(
     slices = []
     for index, (name, start, stop) in enumerate(pieces):
         server = index % num_servers
-        slices.append(Slice(index, name, start, stop, server, offsets[server]))
+        slices.append(Piece(name, start, stop, server=server, offset=offsets[server], index=index))
         offsets[server] += stop - start
     return slices
 
 
-def server_sizes(slices: Sequence[Slice], num_servers: int) -> list[int]:
+def server_sizes(slices: Sequence[Piece], num_servers: int) -> list[int]:
     """Values each server owns."""
     sizes = [0] * num_servers
     for s in slices:
@@ -94,4 +74,4 @@ def server_sizes(slices: Sequence[Slice], num_servers: int) -> list[int]:
     return sizes
 
 
-__all__ = ["Slice", "server_sizes", "slice_bounds", "slice_variables"]
+__all__ = ["server_sizes", "slice_bounds", "slice_variables"]

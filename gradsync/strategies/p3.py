@@ -70,7 +70,7 @@ from gradsync.comm.server import (
     share_initial,
     split_variable,
 )
-from gradsync.comm.slicing import Slice, slice_variables
+from gradsync.comm.slicing import slice_variables
 from gradsync.comm.wire import (
     TAG_PUSH,
     TAG_REPLY,
@@ -214,7 +214,7 @@ class PriorityPropagation(ServerStrategy):
         self.timeline = context.timeline
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         adopt_initial(self.params, initial)
-        self.slices_of: dict[str, list[Slice]] = {}
+        self.slices_of: dict[str, list[Piece]] = {}
         for s in self.slices:
             self.slices_of.setdefault(s.name, []).append(s)
         self.layers: Layers | None = None
@@ -503,12 +503,12 @@ class PriorityPropagation(ServerStrategy):
             self._colocated.join(self.timeout_s)
 
 
-def _piece(s: Slice) -> Piece:
+def _piece(s: Piece) -> Piece:
     """A slice as the one piece of its own server state."""
-    return Piece(s.name, s.start, s.stop, 0)
+    return Piece(s.name, s.start, s.stop)
 
 
-def _slices(config: TrainConfig, variables: list[tuple[str, int]]) -> list[Slice]:
+def _slices(config: TrainConfig, variables: list[tuple[str, int]]) -> list[Piece]:
     p3 = config.strategy_options
     return slice_variables(
         variables,

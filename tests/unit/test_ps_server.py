@@ -137,7 +137,10 @@ def test_split_variable_inverts_assembly() -> None:
     from gradsync.comm.server import Piece, assemble_checkpoint
 
     model = torch.nn.Linear(3, 2)
-    pieces = [[Piece("weight", 0, 4, 0)], [Piece("weight", 4, 6, 0), Piece("bias", 0, 2, 2)]]
+    pieces = [
+        [Piece("weight", 0, 4)],
+        [Piece("weight", 4, 6), Piece("bias", 0, 2, offset=2)],
+    ]
     ckpt = {
         "param/weight": torch.arange(6.0).view(2, 3),
         "param/bias": torch.tensor([7.0, 8.0]),
