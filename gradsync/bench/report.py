@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.bench.analysis import Row, analyse
-from gradsync.bench.experiment import PublishedGain, load_experiment
+from gradsync.bench.experiment import Experiment, PublishedGain, load_experiment
 from gradsync.bench.sweep import load_results
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_text
@@ -56,6 +56,7 @@ def write_report(out: Path) -> Path:
     if experiment.description:
         lines += [experiment.description, ""]
     lines += _environment(records)
+    lines += [held_equal(experiment), ""]
     for model in experiment.models:
         mine = [row for row in rows if row.cell.model == model]
         lines += [f"## {model} ({experiment.preset})", ""]
@@ -84,6 +85,36 @@ def write_report(out: Path) -> Path:
     report = out / REPORT_FILE
     atomic_write_text(report, "\n".join(lines) + "\n")
     return report
+
+
+def held_equal(experiment: Experiment) -> str:
+    """What every compared cell shares and what the experiment varies on purpose.
+
+    Example:
+        >>> held_equal(Experiment(name="x", path="x.toml", workers=[1, 2]))[-33:]
+        'steps. Varied: strategy, workers.'
+    """
+    varied = [
+        key
+        for key, values in (
+            ("workers", experiment.workers),
+            ("global batch", experiment.batch_per_worker or experiment.global_batch),
+            ("intra-op threads", experiment.threads),
+            ("inter-op threads", experiment.interop_threads),
+            ("link rate", experiment.bandwidths),
+            ("learning-rate rule", experiment.lr_scaling),
+        )
+        if len(values) > 1
+    ] + experiment.swept_options()
+    if len(experiment.strategies) > 1:
+        varied.insert(0, "strategy")
+    data = experiment.data or "synthetic data"
+    return (
+        f"Held equal in every cell: the model and preset, {data} with seed "
+        f"{experiment.seed} (the same global batches), dropout off, BatchNorm over the "
+        f"global batch, {experiment.optimizer} with the same learning-rate schedule, "
+        f"{experiment.steps} steps. Varied: {', '.join(varied) or 'nothing'}."
+    )
 
 
 def _environment(records: list[dict]) -> list[str]:
