@@ -70,7 +70,7 @@ def test_hybrid_without_sparse_variables_is_allreduce(workdir: Path) -> None:
 def test_hybrid_flags_are_checked_up_front(workdir: Path) -> None:
     cases = {
         ("--strategy", "hybrid", "--optimizer", "adam"): "torch's Adam refuses sparse",
-        ("--strategy", "allreduce", "--partitions", "4"): "apply to --strategy hybrid",
+        ("--strategy", "allreduce", "--partitions", "4"): "applies to --strategy hybrid",
         ("--strategy", "hybrid", "--sparse-pattern", "lstm.*"): "not the weight of an",
     }
     for args, message in cases.items():

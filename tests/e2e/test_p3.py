@@ -50,8 +50,8 @@ def test_p3_matches_single(model: str, workdir: Path) -> None:
 
 
 BAD = {
-    "no servers": (["--strategy", "p3", "--servers", "0"], "--servers 0 leaves no parameter"),
-    "p3 flags elsewhere": (["--strategy", "ps", "--no-priority"], "apply to --strategy p3"),
+    "no servers": (["--strategy", "p3", "--servers", "0"], "--servers must be >= 1, got 0"),
+    "p3 flags elsewhere": (["--strategy", "ps", "--no-priority"], "applies to --strategy p3"),
     "more servers than slices": (
         ["--strategy", "p3", "--model", "mnist-cnn", "--no-slicing", "--servers", "30"],
         "30 parameter servers but only 8 slices",
