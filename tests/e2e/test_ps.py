@@ -132,13 +132,13 @@ def test_killed_server_ends_the_job_naming_it(workdir: Path) -> None:
 
 BAD_TOPOLOGIES = {
     "no workers": (["--workers", "0"], "--workers: 0 is not a positive integer"),
-    "servers and colocate": (["--servers", "2", "--colocate"], "--servers 2 with --colocate"),
+    "servers and colocate": (["--servers", "2", "--colocate"], "--servers with --colocate"),
     "more servers than variables": (
         ["--model", "mnist-cnn", "--servers", "30"],
         "30 parameter servers but only 8 variables",
     ),
-    "no servers": (["--servers", "0"], "--servers 0 leaves no parameter server"),
-    "staleness in sync mode": (["--staleness", "0"], "--staleness 0 is lock-step"),
+    "no servers": (["--servers", "0"], "--servers must be >= 1, got 0"),
+    "staleness in sync mode": (["--staleness", "0"], "--staleness must be >= 1, got 0"),
 }
 
 
