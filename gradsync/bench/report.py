@@ -257,15 +257,21 @@ def measured_gains(published: PublishedGain, rows: list[Row]) -> list[tuple[Row,
         >>> measured_gains(PublishedGain(strategy="p3", baseline="ps", source="x"), [])
         []
     """
-    by_cell = {row.cell: row for row in rows}
+    baselines: dict[object, Row] = {}
+    for row in rows:
+        if row.cell.strategy == published.baseline:
+            baselines.setdefault(_setting(row), row)
     pairs = []
     for row in rows:
-        if row.cell.strategy != published.strategy:
-            continue
-        base = by_cell.get(dataclasses.replace(row.cell, strategy=published.baseline))
-        if base is not None:
+        if row.cell.strategy == published.strategy and (base := baselines.get(_setting(row))):
             pairs.append((base, row))
     return pairs
+
+
+def _setting(row: Row) -> object:
+    """What two compared rows share: the cell without its strategy and that strategy's
+    options (a p3 slice-size sweep still pairs with the ps baseline)."""
+    return dataclasses.replace(row.cell, strategy="", options=())
 
 
 def gain_section(published: PublishedGain, rows: list[Row]) -> list[str]:
