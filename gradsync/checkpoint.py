@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from gradsync import __version__
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_bytes, atomic_write_text
+from gradsync.signals import signals_deferred
 
 PARAM, BUFFER, OPTIM = "param/", "buffer/", "optim/"
 
@@ -79,8 +80,13 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]
     """
     meta = {**meta, "versions": versions()}
     text = json.dumps(meta, indent=2, sort_keys=True)
-    atomic_write_bytes(path, lambda tmp: save_file(tensors, str(tmp), metadata={"gradsync": text}))
-    atomic_write_text(sidecar_path(path), text + "\n")
+
+    def write_tensors(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata={"gradsync": text})
+
+    with signals_deferred():  # a SIGTERM lands after both files, so they always agree
+        atomic_write_bytes(path, write_tensors)
+        atomic_write_text(sidecar_path(path), text + "\n")
 
 
 def sidecar_path(path: Path) -> Path:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 HANDLED = (signal.SIGTERM, signal.SIGHUP)
@@ -29,8 +31,38 @@ class Stopped(BaseException):
         self.name = signal.Signals(signum).name
 
 
+_deferring = 0
+_pending: list[int] = []
+
+
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    if _deferring:
+        _pending.append(signum)
+        return
     raise Stopped(signum)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM/SIGHUP until the block ends, then raise :class:`Stopped` for the first.
+
+    For writes that must finish together (a checkpoint and its sidecar): a signal that
+    arrives in between stops the job after both are written, never between them.
+
+    Example:
+        >>> with signals_deferred():
+        ...     pass  # write the checkpoint, then its sidecar
+    """
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    if not _deferring and _pending:
+        signum = _pending[0]
+        _pending.clear()
+        raise Stopped(signum)
 
 
 def stop_on_signals() -> None:
@@ -45,4 +77,4 @@ def stop_on_signals() -> None:
         signal.signal(signum, _raise_stopped)
 
 
-__all__ = ["HANDLED", "Stopped", "stop_on_signals"]
+__all__ = ["HANDLED", "Stopped", "signals_deferred", "stop_on_signals"]

@@ -13,10 +13,12 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
+from gradsync import checkpoint
 from gradsync.bench import sweep
 from gradsync.bench.experiment import Experiment, check_bounds
 from gradsync.checkpoint import load_checkpoint, save_checkpoint, sidecar_path
@@ -26,7 +28,7 @@ from gradsync.heartbeat import LastBeat
 from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank
 from gradsync.resume import check_resume, meta_differences
 from gradsync.rundir import claim_run_dir
-from gradsync.signals import Stopped
+from gradsync.signals import HANDLED, Stopped, stop_on_signals
 from gradsync.trainer import LossNotFinite, check_loss
 
 # ---------------------------------------------------------------- run folders
@@ -138,6 +140,29 @@ def test_heartbeats_reach_a_pipe_without_blocking(tmp_path: Path) -> None:
 
 def test_stopped_carries_the_shell_exit_code() -> None:
     assert Stopped(signal.SIGTERM).exit_code == 143 and Stopped(signal.SIGHUP).exit_code == 129
+
+
+def test_a_sigterm_during_a_checkpoint_lands_after_the_sidecar(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.safetensors"
+    previous = {s: signal.getsignal(s) for s in HANDLED}
+    stop_on_signals()
+    real_write = checkpoint.atomic_write_text
+
+    def signalled_write(target: Path, text: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # between the rename and the sidecar
+        real_write(target, text)
+
+    try:
+        with (
+            mock.patch.object(checkpoint, "atomic_write_text", signalled_write),
+            pytest.raises(Stopped),
+        ):
+            save_checkpoint(path, {"param/w": torch.ones(2)}, {"step": 4})
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert json.loads(sidecar_path(path).read_text())["step"] == 4
+    assert load_checkpoint(path).meta["step"] == 4
 
 
 # ---------------------------------------------------------------- bench identity and bounds
