@@ -41,6 +41,11 @@ def main() -> None:
     parser.add_argument("--size", default="64M")
     args = parser.parse_args()
     link = parse_rate(args.bandwidth)
+    print(
+        f"held equal: allreduce of {args.size}, 3 warm-up and 5 timed iterations, one rank "
+        f"per emulated host, every link {args.bandwidth}; varied: hosts ({args.hosts})",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for hosts in (int(h) for h in args.hosts.split(",")):
             shares = [

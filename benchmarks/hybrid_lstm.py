@@ -11,7 +11,6 @@ emulated hosts (``--hosts 3 --bandwidth 1gbit``: the ps/hybrid server gets its o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 from pathlib import Path
 
@@ -30,6 +29,7 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=0)
     parser.add_argument("--bandwidth")
     parser.add_argument("--colocate", action="store_true", help="ps/hybrid servers in the workers")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--out", default="runs/bench-hybrid")
     args = parser.parse_args()
     base = TrainConfig(
@@ -39,18 +39,24 @@ def main() -> None:
         steps=args.steps,
         deterministic=True,
         optim=OptimConfig(momentum=0.9),
-        launch=LaunchConfig(hosts=args.hosts, bandwidth=args.bandwidth),
+        launch=LaunchConfig(hosts=args.hosts, bandwidth=args.bandwidth, threads=args.threads),
+    )
+    print(
+        f"held equal: lstm-lm (default, vocab 50k, sampled softmax 512, sparse), dropout off, "
+        f"synthetic data and the preset's global batch, {args.threads} intra-op thread(s) per "
+        "rank whatever the ranks (ps and hybrid add a server rank), sgd momentum 0.9",
+        flush=True,
     )
     rates: dict[str, list[float]] = {s: [] for s in STRATEGIES}
     sent: dict[str, list[float]] = {s: [] for s in STRATEGIES}
     for repeat in range(args.repeats):
         for strategy in STRATEGIES:
-            config = dataclasses.replace(
-                base, strategy=strategy, out=str(Path(args.out) / f"{strategy}-r{repeat}")
+            colocate = args.colocate and strategy in ("ps", "hybrid")
+            config = base.replace(
+                strategy=strategy,
+                strategy_options={"colocate": True} if colocate else None,
+                out=str(Path(args.out) / f"{strategy}-r{repeat}"),
             )
-            if args.colocate and strategy in ("ps", "hybrid"):
-                section = getattr(config, strategy)
-                config = config.replace(**{strategy: dataclasses.replace(section, colocate=True)})
             summary = run_job(config)
             rates[strategy].append(summary["throughput"]["median"])
             workers = [v for r, v in summary["ranks"].items() if int(r) < args.workers]

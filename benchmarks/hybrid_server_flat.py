@@ -63,6 +63,11 @@ def main() -> None:
         optim=OptimConfig(momentum=0.9),
         launch=LaunchConfig(threads=1),
     )
+    print(
+        "held equal between the two windows: one job (model, data, batch, 1 intra-op thread "
+        "per rank, servers); only the position in the run differs",
+        flush=True,
+    )
     summary = run_job(config)
     busy = busy_per_step(Path(args.out))
     steps = sorted(busy)

@@ -22,6 +22,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+# What makes two runs different workloads (as gradsync compare flags them).
+WORKLOAD_FLAGS = {
+    "--deterministic",
+    "--batchnorm",
+    "--threads",
+    "--interop-threads",
+    "--global-batch",
+    "--data",
+}
+
 
 def run(args: list[str], out: Path) -> dict:
     """One `gradsync train`; its summary.json."""
@@ -49,6 +59,14 @@ def main() -> None:
     variants = dict(v.split("=", 1) for v in args.variants)
     common = shlex.split(args.common)
     print(f"held equal (every variant): {args.common}", flush=True)
+    for name, extra in variants.items():
+        flags = {token.split("=")[0] for token in shlex.split(extra)}
+        if own := sorted(flags & WORKLOAD_FLAGS):
+            print(
+                f"warning: variant {name} sets {', '.join(own)} itself, so the variants differ "
+                "in the workload, not only in how they synchronize; put it in --common",
+                flush=True,
+            )
     rates: dict[str, list[float]] = {name: [] for name in variants}
     sent: dict[str, list[float]] = {name: [] for name in variants}
     loads: list[float] = []

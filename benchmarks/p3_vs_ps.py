@@ -94,6 +94,9 @@ def main() -> None:
         f"# P3 vs ps: 2 workers + 1 server on 3 emulated hosts, links {args.bandwidth}, "
         f"{args.steps} steps ({args.warmup} warm-up), {args.rounds} interleaved rounds",
         "",
+        f"Held equal: {args.preset} preset's synthetic data and global batch, dropout off, "
+        f"{args.threads} intra-op thread(s) per rank, one rank per host; varied: the variant.",
+        "",
         "| model | variant | samples/s median (min–max) | vs ps |",
         "|---|---|---|---|",
     ]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gradsync.comm.placement import Variable, plan_placement
 from gradsync.comm.wire import HEADER
-from gradsync.config import TrainConfig
+from gradsync.config import LaunchConfig, TrainConfig
 from gradsync.jobs import run_job
 from gradsync.models import build_workload
 from gradsync.strategies.ps import PSOptions
@@ -56,7 +56,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     args = parser.parse_args()
+    print(
+        f"held equal: {args.model} ({args.preset}), dropout off, synthetic data and the "
+        f"preset's global batch, {args.threads} intra-op thread(s) per rank whatever the ranks "
+        "(dedicated servers add ranks), BatchNorm over the global batch",
+        flush=True,
+    )
     rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
     servers: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="gradsync-ps-bench-") as tmp:
@@ -70,6 +77,7 @@ def main() -> None:
                     steps=args.steps,
                     deterministic=True,
                     strategy_options=ps,
+                    launch=LaunchConfig(threads=args.threads),
                     out=str(Path(tmp) / f"{name.replace(' ', '_')}-{repeat}"),
                 )
                 summary = run_job(config)

@@ -99,6 +99,11 @@ def main() -> int:
     parser.add_argument("--strategies", default="ps,hybrid")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    print(
+        "held equal between the two samples: one job per strategy (model, global batch 12, "
+        "ranks, threads); only the position in the run differs",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         for strategy in args.strategies.split(","):

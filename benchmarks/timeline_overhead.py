@@ -42,6 +42,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(
+        f"held equal: {args.strategy} on {args.model} ({args.preset}), {args.workers} workers "
+        "(so the same threads per rank), dropout off, synthetic data and the preset's global "
+        "batch; varied: --timeline",
+        flush=True,
+    )
     ratios, plain, traced = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):

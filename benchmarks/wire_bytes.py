@@ -117,6 +117,11 @@ def main() -> None:
         inner(Path(args.inner), args.extra)
         return
     steps = args.long - args.short
+    print(
+        "held equal per strategy: the same job twice (only --steps differs), lstm-lm default "
+        "(sparse, vocab 50k), dropout off, 1 intra-op thread per rank",
+        flush=True,
+    )
     rows = []
     for strategy in args.strategies:
         common = [*MODEL, "--strategy", strategy, "--workers", str(args.workers)]

@@ -226,7 +226,21 @@ def expand_nodelist(text: str) -> list[str]:
     return hosts
 
 
-def default_threads(local_world_size: int) -> int:
-    """Intra-op threads per rank so local ranks do not oversubscribe the CPU."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, local_world_size))
+def default_threads(local_world_size: int, cores: int | None = None) -> int:
+    """Intra-op threads per rank so local ranks do not oversubscribe the CPU: ``cores``
+    (default: this process's) shared by the ranks on this machine.
+
+    Example:
+        >>> default_threads(3, cores=8), default_threads(16, cores=8)
+        (2, 1)
+    """
+    if cores is None:
+        cores = machine_cores()
+    return max(1, cores // max(1, local_world_size))
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync.bench.equal import one_worker
 from gradsync.bench.experiment import Cell, Experiment
 from gradsync.bench.sweep import cell_config
 from gradsync.checkpoint import load_checkpoint
@@ -75,10 +76,7 @@ def analyse(experiment: Experiment, records: list[dict[str, Any]], out: Path) ->
     by_key = {row.cell.group(): row for row in rows}
     for row in rows:
         # Weak scaling (batch_per_worker): one worker ran its own, smaller global batch.
-        batch = row.cell.global_batch
-        if experiment.batch_per_worker and batch is not None:
-            batch //= row.cell.workers
-        one = by_key.get(_with(row.cell, workers=1, global_batch=batch).group())
+        one = by_key.get(one_worker(experiment, row.cell).group())
         if one is not None and one.median > 0:
             row.speedup = row.median / one.median
             row.efficiency = row.median / (row.cell.workers * one.median)

@@ -38,6 +38,8 @@ MAX_STEPS = 1_000_000
 MAX_WORKERS = 1_024
 MAX_CELLS = 10_000
 RENAMED = {"warmup_steps": "measure_warmup"}
+# Settings bench holds equal in every cell (see gradsync.bench.equal): not keys of a file.
+FIXED = {"deterministic": "dropout", "dropout": "dropout", "batchnorm": "BatchNorm mode"}
 KEYS: dict[str, str] = {
     "name": "experiment name (string)",
     "description": "what the experiment asks (string)",
@@ -269,6 +271,13 @@ def load_experiment(path: str | Path) -> Experiment:
     for key in raw:
         if key in RENAMED:
             raise UserError(f"{where}: key '{key}' is now '{RENAMED[key]}'; rename it")
+        if key in FIXED:
+            raise UserError(
+                f"{where}: key '{key}' cannot be set: every bench cell runs with dropout off "
+                "and BatchNorm over the global batch, so cells compare like with like and with "
+                f"single; to measure another {FIXED[key]}, run gradsync train with "
+                "--batchnorm local or without --deterministic for each strategy"
+            )
         if key not in KEYS:
             raise UserError(f"{where}: unknown key '{key}'; allowed keys: {', '.join(KEYS)}")
     if "models" not in raw:
@@ -302,6 +311,12 @@ def load_experiment(path: str | Path) -> Experiment:
             if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 0:
                 raise UserError(f"{where}: {key} must be a non-negative integer, got {raw[key]!r}")
             values[key] = raw[key]
+    if "data" in raw and not isinstance(raw["data"], str):
+        raise UserError(
+            f"{where}: data must be one path (a string), got {raw['data']!r}: every cell "
+            "trains on the same data so their throughputs compare; run one experiment per "
+            "data set"
+        )
     for key in ("description", "preset", "data", "optimizer"):
         if key in raw:
             values[key] = str(raw[key])

@@ -9,12 +9,12 @@ step, and throughput against every strategy option the experiment sweeps.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from gradsync.bench.analysis import Row, analyse
+from gradsync.bench.equal import Swept, setting
 from gradsync.bench.experiment import Experiment, PublishedGain, load_experiment
 from gradsync.bench.sweep import load_results
 from gradsync.errors import UserError
@@ -57,6 +57,7 @@ def write_report(out: Path) -> Path:
         lines += [experiment.description, ""]
     lines += _environment(records)
     lines += [held_equal(experiment), ""]
+    swept = Swept.of(experiment)
     for model in experiment.models:
         mine = [row for row in rows if row.cell.model == model]
         lines += [f"## {model} ({experiment.preset})", ""]
@@ -71,8 +72,8 @@ def write_report(out: Path) -> Path:
             "`benchmarks/wire_bytes.py`).",
             "",
         ]
-        lines += [reading(mine) + _cores_caveat(mine, records), ""]
-        for kind, path in _plots(out, model, mine, experiment.swept_options()).items():
+        lines += [reading(mine, swept) + _cores_caveat(mine, records), ""]
+        for kind, path in _plots(out, model, mine, experiment.swept_options(), swept).items():
             lines += [f"![{kind}]({path.relative_to(out)})", ""]
     if experiment.published_gain is not None and rows:
         lines += gain_section(experiment.published_gain, rows)
@@ -88,12 +89,14 @@ def write_report(out: Path) -> Path:
 
 
 def held_equal(experiment: Experiment) -> str:
-    """What every compared cell shares and what the experiment varies on purpose.
+    """What every compared cell shares, what the experiment varies on purpose, and how the
+    report compares like with like (one line).
 
     Example:
-        >>> held_equal(Experiment(name="x", path="x.toml", workers=[1, 2]))[-33:]
-        'steps. Varied: strategy, workers.'
+        >>> held_equal(Experiment(name="x", path="x.toml", workers=[1, 2]))[-30:]
+        'per rank is refused at launch.'
     """
+    swept = Swept.of(experiment)
     varied = [
         key
         for key, values in (
@@ -109,11 +112,28 @@ def held_equal(experiment: Experiment) -> str:
     if len(experiment.strategies) > 1:
         varied.insert(0, "strategy")
     data = experiment.data or "synthetic data"
+    (threads, *others) = experiment.threads
+    if others:
+        threads_text = ""  # swept: among the varied
+    elif threads is None:
+        threads_text = "intra-op threads per rank (equal in every compared pair), "
+    else:
+        threads_text = f"{threads} intra-op thread{'s' if threads > 1 else ''} per rank, "
+    scaling = (
+        "per-worker batch (weak scaling)"
+        if experiment.batch_per_worker
+        else "global batch (strong scaling)"
+    )
+    within = f"; each within one value of the swept {swept.words()}" if swept.names else ""
     return (
         f"Held equal in every cell: the model and preset, {data} with seed "
-        f"{experiment.seed} (the same global batches), dropout off, BatchNorm over the "
-        f"global batch, {experiment.optimizer} with the same learning-rate schedule, "
-        f"{experiment.steps} steps. Varied: {', '.join(varied) or 'nothing'}."
+        f"{experiment.seed}, dropout off, BatchNorm over the global batch, {threads_text}"
+        f"{experiment.optimizer} at the same base learning rate and warm-up, "
+        f"{experiment.steps} steps. Varied: {', '.join(varied) or 'nothing'}. Compared like "
+        "with like: strategies at the same workers, link, batch, threads and learning-rate "
+        f"rule; speedup and efficiency against the same cell at 1 worker with the same "
+        f"{scaling}{within}; a compared pair differing in dropout, BatchNorm, data, batch "
+        "or threads per rank is refused at launch."
     )
 
 
@@ -144,14 +164,19 @@ def _table(rows: list[Row]) -> str:
 
 
 def _cores_caveat(rows: list[Row], records: list[dict]) -> str:
-    """Say so when the workers outnumber the cores: then scaling measures overheads only."""
-    cores = next((r["environment"].get("cores") for r in records if r["status"] == "ok"), None)
+    """Say so when the workers' threads outnumber the cores: then scaling measures
+    overheads only."""
+    ok = [r for r in records if r["status"] == "ok"]
+    cores = next((r["environment"].get("cores") for r in ok), None)
+    threads = min((r["environment"].get("threads_per_rank") or 1 for r in ok), default=1)
     most = max(row.cell.workers for row in rows)
-    if not cores or most <= cores:
+    if not cores or most * threads <= cores:
         return ""
+    fit = max(1, cores // threads)
     return (
-        f" This machine has {cores} cores, so {most} workers share them: one worker "
-        "already uses every core, the ideal line is out of reach, and the efficiency "
+        f" This machine has {cores} cores, so {most} workers of {threads} intra-op "
+        f"thread{'s' if threads > 1 else ''} share them beyond {fit} worker"
+        f"{'s' if fit > 1 else ''}: there the ideal line is out of reach, and the efficiency "
         "shows what communication and oversubscription cost rather than how well the "
         "strategy scales."
     )
@@ -185,21 +210,33 @@ def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def reading(rows: list[Row]) -> str:
-    """One paragraph: per setting, which strategy wins, by how much, and how sure that is."""
+def reading(rows: list[Row], swept: Swept | None = None) -> str:
+    """One paragraph: per setting, which strategy wins, by how much, and how sure that is.
+
+    Strategies are ranked only against others at the same setting (workers, link, batch,
+    threads, learning-rate rule); ``swept`` names the settings the experiment sweeps, said
+    in each sentence.
+
+    Example:
+        >>> reading([])
+        'Only one strategy per setting: nothing to compare.'
+    """
+    swept = swept or Swept()
     sentences = []
-    settings: dict[tuple, list[Row]] = defaultdict(list)
+    settings: dict[object, list[Row]] = defaultdict(list)
     for row in rows:
-        c = row.cell
-        settings[(c.workers, c.global_batch, c.threads, c.bandwidth, c.lr_scaling)].append(row)
-    for (workers, _, _, bandwidth, _), group in settings.items():
-        if len({row.cell.strategy for row in group}) < 2:
+        settings[setting(row.cell)].append(row)
+    for group in settings.values():
+        if len(group) < 2:
             continue
         ranked = sorted(group, key=lambda row: -row.median)
         best, runner = ranked[0], ranked[1]
+        workers, bandwidth = best.cell.workers, best.cell.bandwidth
         where = f"at {workers} worker{'s' if workers > 1 else ''}" + (
             f" behind {bandwidth} links" if bandwidth else ""
         )
+        if context := swept.without("bandwidth").describe(best.cell):
+            where += f" ({context})"
         sentence = (
             f"{where.capitalize()}, {_label(best)} is fastest with "
             f"{best.median:,.1f} samples/s, {best.median / runner.median:.2f}× "
@@ -224,10 +261,10 @@ def reading(rows: list[Row]) -> str:
             key=lambda row: -(row.efficiency or 0),
         )
         sentences.append(
-            f"Scaling to {top} workers, {_label(at_top[0])} keeps the highest efficiency "
-            f"({at_top[0].efficiency:.0%} of ideal)"
+            f"Scaling to {top} workers, {_label(at_top[0], swept)} keeps the highest "
+            f"efficiency ({at_top[0].efficiency:.0%} of ideal)"
             + (
-                f", {_label(at_top[-1])} the lowest ({at_top[-1].efficiency:.0%})"
+                f", {_label(at_top[-1], swept)} the lowest ({at_top[-1].efficiency:.0%})"
                 if len(at_top) > 1
                 else ""
             )
@@ -239,7 +276,7 @@ def reading(rows: list[Row]) -> str:
         sentences.append(
             "Every synchronous strategy matches single within tolerance."
             if not failing
-            else "Beyond tolerance: " + ", ".join(_label(row) for row in failing) + "."
+            else "Beyond tolerance: " + ", ".join(_label(row, swept) for row in failing) + "."
         )
     noisy = [row for row in rows if row.noisy]
     if noisy:
@@ -260,18 +297,12 @@ def measured_gains(published: PublishedGain, rows: list[Row]) -> list[tuple[Row,
     baselines: dict[object, Row] = {}
     for row in rows:
         if row.cell.strategy == published.baseline:
-            baselines.setdefault(_setting(row), row)
+            baselines.setdefault(setting(row.cell), row)
     pairs = []
     for row in rows:
-        if row.cell.strategy == published.strategy and (base := baselines.get(_setting(row))):
+        if row.cell.strategy == published.strategy and (base := baselines.get(setting(row.cell))):
             pairs.append((base, row))
     return pairs
-
-
-def _setting(row: Row) -> object:
-    """What two compared rows share: the cell without its strategy and that strategy's
-    options (a p3 slice-size sweep still pairs with the ps baseline)."""
-    return dataclasses.replace(row.cell, strategy="", options=())
 
 
 def gain_section(published: PublishedGain, rows: list[Row]) -> list[str]:
@@ -353,14 +384,20 @@ def _gain_plot(out: Path, published: PublishedGain, rows: list[Row]) -> Path:
     return _save(fig, directory / "gain-vs-published.png", plt)
 
 
-def _label(row: Row) -> str:
-    options = ", ".join(f"{key}={value}" for key, value in row.cell.options)
-    return f"`{row.cell.strategy}`" + (f" ({options})" if options else "")
+def _label(row: Row, swept: Swept | None = None) -> str:
+    """The strategy and its options, and the values of the ``swept`` settings."""
+    parts = [f"{key}={value}" for key, value in row.cell.options]
+    if swept is not None and (context := swept.describe(row.cell)):
+        parts.append(context)
+    return f"`{row.cell.strategy}`" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def _plots(out: Path, model: str, rows: list[Row], swept: list[str]) -> dict[str, Path]:
+def _plots(
+    out: Path, model: str, rows: list[Row], options: list[str], swept: Swept
+) -> dict[str, Path]:
     """The model's plots: throughput by strategy, scaling, speedup vs bandwidth, loss, and
-    throughput vs each swept strategy option."""
+    throughput vs each swept strategy option. A line or bar series holds one value of each
+    setting the experiment sweeps (``swept``), so no line joins unlike cells."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,9 +406,6 @@ def _plots(out: Path, model: str, rows: list[Row], swept: list[str]) -> dict[str
     directory = out / PLOTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     slug = model.replace("/", "_").replace(":", "_").replace(".", "_")
-    series: dict[str, list[Row]] = defaultdict(list)
-    for row in rows:
-        series[_label(row).replace("`", "")].append(row)
     drawings = {
         "throughput by strategy": ("throughput", _throughput_bars),
         "scaling": ("scaling", _scaling_lines),
@@ -381,14 +415,22 @@ def _plots(out: Path, model: str, rows: list[Row], swept: list[str]) -> dict[str
     paths = {}
     for kind, (name, draw) in drawings.items():
         fig, ax = plt.subplots(figsize=(7, 4))
-        draw(ax, model, series)
+        draw(ax, model, _series(rows, swept.without("bandwidth") if name == "bandwidth" else swept))
         paths[kind] = _save(fig, directory / f"{slug}-{name}.png", plt)
-    for option in swept:
+    for option in options:
         if any(row.cell.option(option) is not None for row in rows):
             fig, ax = plt.subplots(figsize=(7, 4))
-            _option_lines(ax, model, rows, option)
+            _option_lines(ax, model, rows, option, swept.without("bandwidth"))
             paths[f"throughput vs {option}"] = _save(fig, directory / f"{slug}-{option}.png", plt)
     return paths
+
+
+def _series(rows: list[Row], swept: Swept) -> dict[str, list[Row]]:
+    """Rows by strategy, options and values of the swept settings, in table order."""
+    series: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        series[_label(row, swept).replace("`", "")].append(row)
+    return series
 
 
 def _throughput_bars(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
@@ -432,12 +474,12 @@ def _bandwidth_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
     rows = [row for mine in series.values() for row in mine]
     top = max(row.cell.workers for row in rows)
     links = sorted({row.cell.bandwidth or "loopback" for row in rows}, key=_rate_order)
-    baseline_name = next(iter(series))
+    baseline_name = _label(rows[0]).replace("`", "")
     for index, (name, mine) in enumerate(series.items()):
         points = []
         for link in links:
             row = _find(mine, top, link)
-            base = _find(series[baseline_name], top, link)
+            base = None if row is None else _baseline(rows, rows[0], row)
             if row is not None and base is not None:
                 points.append((links.index(link), row.median / base.median))
         if points:
@@ -447,6 +489,14 @@ def _bandwidth_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
     ax.set_ylabel(f"speedup over {baseline_name}")
     ax.set_title(f"{model}: speedup vs bandwidth ({top} workers)")
     ax.legend(fontsize=8)
+
+
+def _baseline(rows: list[Row], first: Row, row: Row) -> Row | None:
+    """The row of ``first``'s strategy and options at ``row``'s setting."""
+    return next(
+        (r for r in rows if _label(r) == _label(first) and setting(r.cell) == setting(row.cell)),
+        None,
+    )
 
 
 def _loss_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
@@ -460,14 +510,18 @@ def _loss_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
     ax.legend(fontsize=8)
 
 
-def _option_lines(ax: Any, model: str, rows: list[Row], option: str) -> None:
-    """Samples/s against one swept option's values, a line per strategy, workers and link."""
+def _option_lines(ax: Any, model: str, rows: list[Row], option: str, swept: Swept) -> None:
+    """Samples/s against one swept option's values, a line per strategy, workers, link and
+    value of each other swept setting."""
     lines: dict[str, list[tuple[Any, Row]]] = defaultdict(list)
     for row in rows:
         value = row.cell.option(option)
         if value is not None:
             link = row.cell.bandwidth or "loopback"
-            lines[f"{row.cell.strategy}, {row.cell.workers} workers, {link}"].append((value, row))
+            name = f"{row.cell.strategy}, {row.cell.workers} workers, {link}"
+            if context := swept.describe(row.cell):
+                name += f", {context}"
+            lines[name].append((value, row))
     for index, (name, points) in enumerate(lines.items()):
         points.sort(key=lambda point: point[0])
         xs = [value for value, _ in points]

@@ -33,6 +33,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from gradsync.bench.equal import check_equal_workloads
 from gradsync.bench.experiment import Cell, Experiment
 from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
 from gradsync.errors import JobFailed, UserError
@@ -195,12 +196,13 @@ def run_sweep(
     of the current Slurm allocation, see :mod:`gradsync.cluster`).
     """
     run = _job_runner(launcher)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(experiment.path, out / "experiment.toml")
     cells = experiment.cells()
     configs = {cell.id: cell_config(experiment, cell, out, timeline=timeline) for cell in cells}
     for config in configs.values():
         validate(config)  # a bad matrix fails before the first job, not halfway
+    check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(experiment.path, out / "experiment.toml")
     todo, done = _cells_to_run(cells, configs, out)
     if done or len(todo) < len(cells):
         print(f"resuming {out}: {done} cell(s) already done, {len(todo)} to run")

@@ -58,7 +58,8 @@ def test_a_registered_plugin_trains_verifies_and_benches(with_toy: None, workdir
 def test_an_experiment_sweeps_options_of_two_strategies(workdir: Path) -> None:
     (workdir / "sweep.toml").write_text(
         'name = "sweep"\nmodels = ["mnist-cnn"]\npreset = "tiny"\n'
-        'strategies = ["allreduce", "p3"]\nworkers = [2]\nsteps = 4\nmeasure_warmup = 1\n'
+        'strategies = ["allreduce", "p3"]\nworkers = [2]\nthreads = [1]\nsteps = 4\n'
+        "measure_warmup = 1\n"
         "[sweep]\nallreduce.fusion_threshold_mb = [0.01, 64]\np3.slice_size = [500, 40000]\n"
     )
     result = gradsync("bench", "sweep.toml", "--out", "out", cwd=workdir)

@@ -1,0 +1,154 @@
+"""Equal workloads in bench: the pairs a report compares, the check before launch, and a
+report that compares only like with like when an experiment sweeps threads or batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gradsync import cli
+from gradsync.bench import equal
+from gradsync.bench.analysis import Row
+from gradsync.bench.equal import Swept, check_equal_workloads, compared_pairs
+from gradsync.bench.experiment import Cell, Experiment, load_experiment
+from gradsync.bench.report import _series, held_equal, reading
+from gradsync.bench.sweep import cell_config
+from gradsync.config import TrainConfig
+from gradsync.errors import UserError
+
+MNIST = {"name": "x", "path": "x.toml", "models": ["mnist-cnn"], "preset": "tiny"}
+
+
+def experiment(**keys: object) -> Experiment:
+    return Experiment(**{**MNIST, **keys})  # type: ignore[arg-type]
+
+
+def jobs(exp: Experiment) -> dict[str, TrainConfig]:
+    return {cell.id: cell_config(exp, cell, Path("out")) for cell in exp.cells()}
+
+
+def test_pairs_stay_within_each_swept_value() -> None:
+    exp = experiment(strategies=["ddp", "allreduce"], workers=[1, 2], threads=[1, 2])
+    pairs = compared_pairs(exp, exp.cells())
+    kinds = [kind for kind, _, _ in pairs]
+    assert kinds.count("strategies side by side") == 4  # 2 workers × 2 threads
+    assert kinds.count("scaling efficiency") == 4  # 2 strategies × 2 threads
+    assert all(a.threads == b.threads for _, a, b in pairs)
+
+
+def test_weak_scaling_pairs_the_same_per_worker_batch() -> None:
+    exp = experiment(strategies=["allreduce"], workers=[1, 4], batch_per_worker=[8], threads=[1])
+    ((kind, big, one),) = compared_pairs(exp, exp.cells())
+    assert (kind, big.global_batch, one.global_batch) == ("scaling efficiency", 32, 8)
+    check_equal_workloads(exp, jobs(exp), cores=2)  # 8 per worker in both: accepted
+
+
+def test_unset_threads_that_differ_by_rank_count_are_refused_with_the_fix() -> None:
+    exp = experiment(strategies=["allreduce", "ps"], workers=[2])  # ps adds a server rank
+    with pytest.raises(UserError) as caught:
+        check_equal_workloads(exp, jobs(exp), cores=4)
+    message = str(caught.value)
+    assert message.startswith(
+        "x.toml: strategies side by side would compare allreduce at 2 workers with ps"
+    )
+    assert "intra-op threads per rank 2 vs 1" in message
+    assert "set threads = [1] in the experiment (the largest job has 3 ranks)" in message
+    check_equal_workloads(exp, jobs(exp), cores=1)  # 1 thread per rank either way
+    check_equal_workloads(exp, jobs(exp), launcher="srun", cores=4)  # CPUs per task: equal
+    pinned = dataclasses.replace(exp, threads=[2])
+    check_equal_workloads(pinned, jobs(pinned), cores=4)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"deterministic": False}, "dropout on vs off"),
+        ({"batchnorm": "local"}, "BatchNorm per worker vs over the global batch"),
+        ({"data": "sklearn:digits"}, "data sklearn:digits vs synthetic"),
+        ({"global_batch": 16}, "global batch 16 vs 8"),
+    ],
+)
+def test_a_compared_pair_with_another_workload_is_refused(
+    change: dict[str, object], expected: str
+) -> None:
+    exp = experiment(strategies=["allreduce"], workers=[1, 2], global_batch=[8], threads=[1])
+    configs = jobs(exp)
+    two = next(cell.id for cell in exp.cells() if cell.workers == 2)
+    configs[two] = configs[two].replace(**change)
+    with pytest.raises(UserError, match=f"scaling efficiency .* which differ in {expected}"):
+        check_equal_workloads(exp, configs, cores=2)
+
+
+def test_bench_refuses_before_launch_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(equal, "machine_cores", lambda: 2)
+    path = tmp_path / "unequal.toml"
+    path.write_text(
+        'name = "unequal"\nmodels = ["mnist-cnn"]\npreset = "tiny"\n'
+        'strategies = ["ddp"]\nworkers = [1, 2]\nsteps = 3\n'
+    )
+    code = cli.main(["bench", str(path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "ddp at 2 workers with ddp at 1 worker" in err and "threads = [1]" in err
+    assert not (tmp_path / "out").exists()  # nothing launched, no results folder
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('batchnorm = "local"', "key 'batchnorm' cannot be set: every bench cell runs"),
+        ("deterministic = false", "key 'deterministic' cannot be set"),
+        ('data = ["a", "b"]', "data must be one path"),
+    ],
+)
+def test_settings_bench_holds_equal_are_not_keys(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "fixed.toml"
+    path.write_text(f'models = ["mnist-cnn"]\n{line}\n')
+    with pytest.raises(UserError, match=message):
+        load_experiment(path)
+
+
+def row(strategy: str, median: float, **cell: object) -> Row:
+    return Row(
+        cell=Cell(model="mnist-cnn", strategy=strategy, workers=2, **cell),  # type: ignore[arg-type]
+        median=median,
+        low=median,
+        high=median,
+        repeats=1,
+        bytes_per_step=0.0,
+        exposed_comm_ms=0.0,
+        loss=[],
+    )
+
+
+def test_the_reading_ranks_strategies_only_within_one_swept_value() -> None:
+    exp = experiment(strategies=["ddp", "allreduce"], threads=[1, 2], interop_threads=[1, 2])
+    swept = Swept.of(exp)
+    rows = [
+        row("ddp", 10.0, threads=1, interop_threads=1),
+        row("allreduce", 12.0, threads=1, interop_threads=1),
+        row("ddp", 30.0, threads=2, interop_threads=1),  # never set beside 1-thread rows
+        row("ddp", 50.0, threads=2, interop_threads=2),  # nor beside 1 inter-op thread
+        row("allreduce", 40.0, threads=2, interop_threads=2),
+    ]
+    assert reading(rows, swept) == (
+        "At 2 workers (1 thread, 1 inter-op), `allreduce` is fastest with 12.0 samples/s, "
+        "1.20× `ddp`. At 2 workers (2 threads, 2 inter-op), `ddp` is fastest with 50.0 "
+        "samples/s, 1.25× `allreduce`."
+    )
+    series = _series(rows, swept)
+    assert all(len(mine) == 1 for mine in series.values()) and len(series) == 5
+    assert "ddp (2 threads, 2 inter-op)" in series
+
+
+def test_held_equal_says_how_it_compares() -> None:
+    swept = held_equal(experiment(workers=[1, 2], threads=[1, 2], batch_per_worker=[8]))
+    assert "per-worker batch (weak scaling)" in swept
+    assert "each within one value of the swept intra-op threads" in swept
+    assert "refused at launch" in swept
+    pinned = held_equal(experiment(workers=[1, 2], threads=[1]))
+    assert "1 intra-op thread per rank" in pinned and "global batch (strong scaling)" in pinned
