@@ -35,7 +35,7 @@ from gradsync.optim import Updater, effective_lr
 from gradsync.probe import missing_on_any_worker, params_without_gradient
 from gradsync.progress import StepProgress
 from gradsync.rendezvous import join_process_group
-from gradsync.resume import restore, resumable, rng_tensors
+from gradsync.resume import restore, rng_tensors
 from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
@@ -214,8 +214,8 @@ def _train_with_metrics(run: _WorkerRun, strategy: Strategy) -> None:
             _write_checkpoint(strategy, out, {**run.meta, "step": done}, run.context)
 
     def restore_checkpoint(strategy: Strategy) -> int:
-        assert checkpoint is not None and strategy.model is not None
-        return restore(checkpoint, strategy.model, strategy.updater, rank)
+        assert checkpoint is not None
+        return restore(checkpoint, strategy, rank)
 
     with progress:
         train(
@@ -335,8 +335,8 @@ def _serve(
 def _write_checkpoint(
     strategy: Strategy, out: Path, meta: dict[str, object], context: Context
 ) -> None:
-    # Resumable strategies also save every worker's RNG state (a collective of the workers).
-    rng = rng_tensors(context.worker_group, context.num_workers) if resumable(strategy.name) else {}
+    # Every worker's RNG state too, for --resume (a collective of the workers).
+    rng = rng_tensors(context.worker_group, context.num_workers)
     tensors = strategy.checkpoint_tensors()
     if tensors is not None:
         save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng}, meta)
