@@ -348,9 +348,12 @@ class ServerMetrics:
     close: Callable[[], None] = lambda: None
 
     @classmethod
-    def to_file(cls, out: str | Path, *, rank: int, server: int) -> ServerMetrics:
-        """Records in ``<out>/metrics/server<rank>.jsonl``; :attr:`close` closes the file."""
-        writer = MetricsWriter(Path(out), rank, prefix="server")
+    def to_file(
+        cls, out: str | Path, *, rank: int, server: int, steps_done: int = 0
+    ) -> ServerMetrics:
+        """Records in ``<out>/metrics/server<rank>.jsonl`` (a resumed run keeps those of
+        the ``steps_done`` steps before it); :attr:`close` closes the file."""
+        writer = MetricsWriter(Path(out), rank, prefix="server", keep_before=steps_done)
         return cls(rank=rank, server=server, write=writer.write, close=writer.close)
 
     def tally(self, step: int) -> Tally:

@@ -3,6 +3,7 @@
 A strategy is one file and one registry line. The trainer calls, in order::
 
     module = strategy.setup(model, context)     # hooks, wrappers, initial broadcast
+    strategy.restore_state(tensors, steps_done) # --resume only: a checkpoint's state
     ... forward(module), loss.backward() ...
     strategy.step()                             # finish communication, update parameters
 
@@ -40,6 +41,7 @@ class Context:
     is the peak learning rate after batch-size scaling (0.0 on server ranks, which learn
     it from worker 0). ``missing_gradients``, for strategies that set ``probes_gradients``:
     the trainable parameters that got no gradient on some worker in step 0.
+    ``steps_done``: where a resumed run goes on (its checkpoint's step; 0 otherwise).
     """
 
     config: TrainConfig
@@ -54,6 +56,7 @@ class Context:
     role: str = "worker"
     lr: float = 0.0
     missing_gradients: frozenset[str] | None = None
+    steps_done: int = 0
 
 
 class Strategy(ABC):

@@ -312,7 +312,9 @@ class Hybrid(ServerStrategy):
         policy = SparseServer(
             shard,
             outbox,
-            ServerMetrics.to_file(context.config.out, rank=context.rank, server=server),
+            ServerMetrics.to_file(
+                context.config.out, rank=context.rank, server=server, steps_done=context.steps_done
+            ),
             pushers=self.pushers,
             scale=1.0 / workers if self.options.average_sparse else 1.0,
             timeline=context.timeline,

@@ -193,7 +193,9 @@ class PriorityPropagation(ServerStrategy):
         policy = self.server_policy(
             states,
             outbox,
-            ServerMetrics.to_file(config.out, rank=context.rank, server=server),
+            ServerMetrics.to_file(
+                config.out, rank=context.rank, server=server, steps_done=context.steps_done
+            ),
             num_workers=workers,
             fifo=not config.strategy_options.priority,
             timeout_s=self.timeout_s,

@@ -158,7 +158,9 @@ class ParameterServer(ServerStrategy):
         policy = DenseServer(
             state,
             outbox,
-            ServerMetrics.to_file(config.out, rank=context.rank, server=server),
+            ServerMetrics.to_file(
+                config.out, rank=context.rank, server=server, steps_done=context.steps_done
+            ),
             num_workers=workers,
             synchronous=self.is_synchronous(config),
             staleness=config.strategy_options.staleness,
