@@ -1,7 +1,9 @@
 """Checkpoints: one safetensors file (no pickle), written atomically, plus a JSON sidecar.
 
-Tensor names: ``param/<name>``, ``buffer/<name>``, ``optim/<param name>/<state key>`` and,
-for resumable strategies, ``rng/worker<r>``. The metadata (model, preset, strategy, workers,
+Tensor names: ``param/<name>``, ``buffer/<name>``, ``optim/<param name>/<state key>``, and
+for ``--resume`` only: ``rng/worker<r>`` (every worker's RNG state) and, for ``hybrid`` with
+momentum, ``lazy/<name>/…`` (the rows its servers have not caught up yet, see
+:mod:`gradsync.comm.lazy`). The metadata (model, preset, strategy, workers,
 step, seed, versions) lives in the safetensors header, which is authoritative: the
 checkpoint is that one file, replaced by a rename. The sidecar (``<file>.json``) is a
 readable copy written from the header after the rename; a sidecar that disagrees with the
@@ -28,6 +30,8 @@ from gradsync.files import atomic_write_bytes, atomic_write_text
 from gradsync.signals import signals_deferred
 
 PARAM, BUFFER, OPTIM = "param/", "buffer/", "optim/"
+RNG, LAZY = "rng/", "lazy/"  # --resume only: RNG streams, hybrid's rows not caught up yet
+STATE_PREFIXES = (PARAM, BUFFER, OPTIM)  # the training state; the rest is for --resume only
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,12 @@ class Checkpoint:
 
     def parameters(self) -> dict[str, Tensor]:
         """Parameters and buffers (the model state), without optimizer state."""
-        return {k: v for k, v in self.tensors.items() if not k.startswith(OPTIM)}
+        return {k: v for k, v in self.tensors.items() if k.startswith((PARAM, BUFFER))}
+
+    def state(self) -> dict[str, Tensor]:
+        """Parameters, buffers and optimizer state: what two runs are compared on (not the
+        RNG streams and lazy rows kept for ``--resume``, which differ between strategies)."""
+        return {k: v for k, v in self.tensors.items() if k.startswith(STATE_PREFIXES)}
 
 
 def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Tensor]:
@@ -58,6 +67,34 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
                 if isinstance(value, Tensor):
                     tensors[f"{OPTIM}{names[param]}/{key}"] = value.detach()
     return {k: (v.to_dense() if v.is_sparse else v).cpu().contiguous() for k, v in tensors.items()}
+
+
+def load_model_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, Tensor]
+) -> None:
+    """The inverse of :func:`model_state`: copy ``param/`` and ``buffer/`` tensors into
+    ``model`` and the ``optim/`` state of the parameters ``optimizer`` updates into it.
+
+    Example:
+        >>> model, copy = nn.Linear(2, 1), nn.Linear(2, 1)
+        >>> load_model_state(copy, None, model_state(model, None))
+        >>> torch.equal(copy.weight, model.weight)
+        True
+    """
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[PARAM + name])
+        for name, buffer in model.named_buffers():
+            buffer.copy_(tensors[BUFFER + name])
+    if optimizer is None:
+        return
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for key, value in tensors.items():
+        if key.startswith(OPTIM):
+            name, _, state_key = key.removeprefix(OPTIM).rpartition("/")
+            if id(params[name]) in owned:  # hybrid's sparse rows live on its servers
+                optimizer.state[params[name]][state_key] = value.clone()
 
 
 def versions() -> dict[str, str]:

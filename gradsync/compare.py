@@ -41,12 +41,6 @@ def tensor_diff(name: str, reference: torch.Tensor, other: torch.Tensor) -> Tens
     return TensorDiff(name, diff.max().item(), rel)
 
 
-def _state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The training state to compare: RNG streams (``rng/``, kept for resume, one per
-    worker) say nothing about the parameters and differ in number between strategies."""
-    return {name: tensor for name, tensor in tensors.items() if not name.startswith("rng/")}
-
-
 def diff_checkpoints(
     reference: Checkpoint, other: Checkpoint, *, include_optimizer: bool = True
 ) -> list[TensorDiff]:
@@ -58,8 +52,9 @@ def diff_checkpoints(
             f"{reference.path} ({ref_model}/{reference.meta.get('preset')}): different models; "
             "compare checkpoints of the same model and preset"
         )
-    ref = _state(reference.tensors if include_optimizer else reference.parameters())
-    oth = _state(other.tensors if include_optimizer else other.parameters())
+    # The training state: RNG streams and lazy rows (kept for --resume) say nothing about it.
+    ref = reference.state() if include_optimizer else reference.parameters()
+    oth = other.state() if include_optimizer else other.parameters()
     ref_keys = {k for k in ref if not k.startswith("optim/")}
     oth_keys = {k for k in oth if not k.startswith("optim/")}
     if ref_keys != oth_keys:

@@ -3,15 +3,19 @@
 The checkpoint (one safetensors file, see :mod:`gradsync.checkpoint`) holds everything a
 run needs to go on as if it had never stopped:
 
-- parameters and buffers (``param/``, ``buffer/``) and optimizer state (``optim/``);
+- parameters and buffers (``param/``, ``buffer/``) and optimizer state (``optim/``); for
+  ps, hybrid and p3 worker 0 gathers the servers' authoritative values and optimizer state
+  into it, and hybrid's rows its servers have not caught up yet (``lazy/``);
 - the learning-rate schedule's position and the data position: both are the number of
-  steps done (``step`` in the metadata; a step's batch is a function of its index);
+  steps done (``step`` in the metadata; a step's batch and rate are functions of its
+  index, and server strategies send it with every push);
 - every worker's torch RNG state (``rng/worker<r>``), so dropout draws the same masks.
 
-A resumed run therefore ends bit-identical to one that was never interrupted (tested per
-strategy in float64). Strategies whose state lives on server ranks (ps, hybrid, p3) are not
-resumable yet: their servers' shards and optimizer state would have to be gathered into the
-checkpoint and handed back to the servers before the first pull (see docs/faults.md).
+Each strategy puts the state back where it keeps it (:meth:`~gradsync.strategies.base.
+Strategy.restore_state`): data-parallel strategies into every worker's model and
+optimizer; server strategies also send it to every server (a LOAD each server
+acknowledges) before any worker pushes or pulls. A resumed run therefore ends
+bit-identical to one that was never interrupted (tested per strategy in float64).
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import BUFFER, OPTIM, PARAM, Checkpoint, load_checkpoint
+from gradsync.checkpoint import RNG, Checkpoint, load_checkpoint
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
+from gradsync.strategies import Strategy, strategy_class
 
-RESUMABLE = ("single", "ddp", "allreduce")
-RNG = "rng/worker"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 # Settings that must match between the checkpoint and the resumed run.
 MUST_MATCH = (
@@ -45,13 +48,15 @@ MUST_MATCH = (
 
 
 def resumable(strategy: str) -> bool:
-    """Whether ``--resume`` and ``--max-restarts`` can restore ``strategy``'s state.
+    """Whether ``--resume`` and ``--max-restarts`` can restore ``strategy``'s state: every
+    built-in strategy; a plugin that saves state its own way only with its own
+    ``restore_state``.
 
     Example:
         >>> resumable("allreduce"), resumable("ps")
-        (True, False)
+        (True, True)
     """
-    return strategy in RESUMABLE
+    return strategy_class(strategy).resumable()
 
 
 def checkpoint_step(run_dir: Path) -> int | None:
@@ -76,8 +81,8 @@ def check_resume(config: TrainConfig, run_dir: Path) -> int:
     """
     if not resumable(config.strategy):
         raise UserError(
-            f"--resume restores {', '.join(RESUMABLE)} runs; strategy '{config.strategy}' keeps "
-            "its state on server ranks, which gradsync cannot restore yet: start it again"
+            f"--resume: strategy '{config.strategy}' saves its own checkpoint_tensors but has "
+            "no restore_state to put them back; add one to it, or start the run again"
         )
     if not run_dir.is_dir():
         raise UserError(f"--resume {run_dir}: no such run folder; pass the --out of the run")
@@ -139,44 +144,28 @@ def rng_tensors(worker_group: Any, num_workers: int) -> dict[str, torch.Tensor]:
     """
     state = torch.get_rng_state()
     if num_workers == 1 or not dist.is_initialized():
-        return {f"{RNG}0": state}
+        return {f"{RNG}worker0": state}
     states = [torch.empty_like(state) for _ in range(num_workers)]
     dist.all_gather(states, state, group=worker_group)
-    return {f"{RNG}{worker}": value for worker, value in enumerate(states)}
+    return {f"{RNG}worker{worker}": value for worker, value in enumerate(states)}
 
 
-def restore(checkpoint: Checkpoint, model: torch.nn.Module, updater: Any, worker: int) -> int:
-    """Put the checkpoint's state into ``model``, ``updater`` and this worker's RNG.
-
-    Returns the number of steps done, where training goes on. ``updater`` is the
-    strategy's :class:`gradsync.optim.Updater`.
+def restore(checkpoint: Checkpoint, strategy: Strategy, worker: int) -> int:
+    """Put the checkpoint's state where ``strategy`` keeps it (its ``restore_state``) and
+    this worker's RNG state back; the number of steps done, where training goes on.
 
     Example:
-        >>> # start = restore(load_checkpoint("runs/a"), strategy.model, strategy.updater, 0)
+        >>> # start = restore(load_checkpoint("runs/a"), strategy, worker=0)
     """
-    tensors = checkpoint.tensors
-    names = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(tensors[PARAM + name])
-            names[name] = param
-        for name, buffer in model.named_buffers():
-            buffer.copy_(tensors[BUFFER + name])
-    optimizer = updater.optimizer
-    for key, value in tensors.items():
-        if key.startswith(OPTIM):
-            param_name, _, state_key = key.removeprefix(OPTIM).rpartition("/")
-            optimizer.state[names[param_name]][state_key] = value.clone()
     steps_done = int(checkpoint.meta["step"])
-    updater.resume_at(steps_done)
-    rng = tensors.get(f"{RNG}{worker}")
+    strategy.restore_state(checkpoint.tensors, steps_done)
+    rng = checkpoint.tensors.get(f"{RNG}worker{worker}")
     if rng is not None:
         torch.set_rng_state(rng)
     return steps_done
 
 
 __all__ = [
-    "RESUMABLE",
     "check_resume",
     "checkpoint_step",
     "meta_differences",

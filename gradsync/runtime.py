@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import load_checkpoint, save_checkpoint
+from gradsync.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gradsync.comm.batchnorm import convert_batchnorm, has_batchnorm
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed, shard_bounds
@@ -35,7 +35,7 @@ from gradsync.optim import Updater, effective_lr
 from gradsync.probe import missing_on_any_worker, params_without_gradient
 from gradsync.progress import StepProgress
 from gradsync.rendezvous import join_process_group
-from gradsync.resume import restore, resumable, rng_tensors
+from gradsync.resume import checkpoint_step, restore, rng_tensors
 from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
@@ -115,6 +115,7 @@ class _WorkerRun:
     context: Context
     meta: dict[str, Any]
     threads: int
+    checkpoint: Checkpoint | None  # the one --resume goes on from
 
     @property
     def out(self) -> Path:
@@ -146,6 +147,7 @@ def _prepare_worker(
         )
     torch.manual_seed(mix_seed(config.seed, env.rank))  # dropout differs per rank, reproducibly
     lr = effective_lr(config.optim, global_batch, workload.global_batch)
+    checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE) if config.resume else None
     context = Context(
         config=config,
         rank=env.rank,
@@ -158,9 +160,10 @@ def _prepare_worker(
         timeline=timeline,
         lr=lr,
         missing_gradients=missing,
+        steps_done=int(checkpoint.meta["step"]) if checkpoint else 0,
     )
     meta = _run_meta(config, global_batch, lr, threads)
-    return _WorkerRun(config, env, workload, global_batch, context, meta, threads)
+    return _WorkerRun(config, env, workload, global_batch, context, meta, threads, checkpoint)
 
 
 def _set_batchnorm_mode(
@@ -199,10 +202,8 @@ def _train_with_metrics(run: _WorkerRun, strategy: Strategy) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.json", config.to_json() + "\n")
-    checkpoint = load_checkpoint(out / CHECKPOINT_FILE) if config.resume else None
-    writer = MetricsWriter(
-        out, rank, keep_before=int(checkpoint.meta["step"]) if checkpoint else None
-    )
+    checkpoint = run.checkpoint
+    writer = MetricsWriter(out, rank, keep_before=run.context.steps_done)
     progress = StepProgress(config.steps, enabled=rank == 0, log_every=config.log_every)
 
     def on_step(record: StepRecord) -> None:
@@ -214,8 +215,8 @@ def _train_with_metrics(run: _WorkerRun, strategy: Strategy) -> None:
             _write_checkpoint(strategy, out, {**run.meta, "step": done}, run.context)
 
     def restore_checkpoint(strategy: Strategy) -> int:
-        assert checkpoint is not None and strategy.model is not None
-        return restore(checkpoint, strategy.model, strategy.updater, rank)
+        assert checkpoint is not None
+        return restore(checkpoint, strategy, rank)
 
     with progress:
         train(
@@ -322,6 +323,7 @@ def _serve(
         make_updater=lambda params: Updater(params, config.optim, lr=config.optim.base_lr()),
         role="server",
         timeline=timeline,
+        steps_done=(checkpoint_step(Path(config.out)) or 0) if config.resume else 0,
     )
     try:
         with beating("serve"):  # the server loop waits on its inbox, not on steps
@@ -335,8 +337,8 @@ def _serve(
 def _write_checkpoint(
     strategy: Strategy, out: Path, meta: dict[str, object], context: Context
 ) -> None:
-    # Resumable strategies also save every worker's RNG state (a collective of the workers).
-    rng = rng_tensors(context.worker_group, context.num_workers) if resumable(strategy.name) else {}
+    # Every worker's RNG state too, for --resume (a collective of the workers).
+    rng = rng_tensors(context.worker_group, context.num_workers)
     tensors = strategy.checkpoint_tensors()
     if tensors is not None:
         save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng}, meta)

@@ -8,8 +8,13 @@ over every row ever touched and, every step, decays all of them and moves all of
 so its cost grows with the number of rows touched so far. A row that no step touches from
 step c+1 to step c+k follows a closed form: its buffer is ``m^k · b`` and its value moved
 by ``-b · Σ_{j=1..k} lr_{c+j} m^j``. :class:`LazyMomentumRows` keeps, per row, the step
-it is up to date with, and catches a row up (values and buffer) only when it is touched,
-read (a pull) or saved (a checkpoint).
+it is up to date with, and catches a row up (values and buffer) only when it is touched
+or read (a pull).
+
+A checkpoint changes nothing: :meth:`~LazyMomentumRows.state` saves every row as if
+caught up (copies) and, for ``--resume``, the rows still behind as they are (``lag/…``),
+with the step each is up to and the sums below; :meth:`~LazyMomentumRows.load` puts them
+back, so a resumed run catches each row up when the uninterrupted one does, bit for bit.
 
 The sums ``G[c] = Σ_{j≥1} lr_{c+j} m^j`` are kept for every past step c and advanced each
 step over a window of the last ``J`` steps only, where ``m^J / (1 - m) < 2^-64``: the terms
@@ -83,16 +88,53 @@ class LazyMomentumRows:
         return self.values[rows]
 
     def sync_all(self) -> None:
-        """Catch every row up (before the values and buffers are saved)."""
+        """Catch every row up."""
         self._catch_up(torch.arange(len(self.values)))
 
-    def load(self, values: Tensor, buffer: Tensor | None) -> None:
-        """Install saved values and momentum (every row up to date)."""
+    def state(self) -> dict[str, Tensor]:
+        """``values`` and ``momentum_buffer`` of every row caught up to now, as copies (the
+        rows stay as they are), and ``lag/…``: the rows behind (``rows``, local) as they are
+        (``values``, ``momentum_buffer``), the step each is up to (``synced``) and the sums
+        G (``sums``, one per step applied). A row whose buffer is zero is never behind:
+        catching it up changes nothing.
+
+        Example:
+            >>> rows = LazyMomentumRows(torch.zeros(2, 1), momentum=0.5)
+            >>> rows.apply(torch.tensor([0]), torch.ones(1, 1), lr=1.0)
+            >>> rows.apply(torch.tensor([1]), torch.ones(1, 1), lr=1.0)
+            >>> state = rows.state()
+            >>> state["values"].flatten().tolist(), state["lag/rows"].tolist()
+            ([-1.5, -1.0], [0])
+        """
+        values, buffer = self.values.clone(), self.buffer.clone()
+        behind = (self.synced < self.count) & buffer.ne(0).flatten(1).any(1)
+        rows = behind.nonzero().flatten()
+        if len(rows):
+            values[rows], buffer[rows] = self._caught_up(rows)
+        return {
+            "values": values,
+            "momentum_buffer": buffer,
+            "lag/rows": rows,
+            "lag/values": self.values[rows].clone(),
+            "lag/momentum_buffer": self.buffer[rows].clone(),
+            "lag/synced": self.synced[rows].clone(),
+            "lag/sums": self._sums[: self.count].clone(),
+        }
+
+    def load(self, values: Tensor, buffer: Tensor | None, lag: dict[str, Tensor] | None) -> None:
+        """Install saved values and momentum (keys of :meth:`state`): every row up to date,
+        but the ``lag`` rows, which go on as they were saved."""
         self.values.copy_(values)
         self.buffer.copy_(buffer if buffer is not None else torch.zeros_like(values))
-        self.count = 0
-        self.synced.zero_()
-        self._sums.zero_()
+        self.count = 0 if lag is None else len(lag["sums"])
+        self.synced.fill_(self.count)
+        self._sums = torch.zeros(max(64, 2 * self.count), dtype=torch.float64)
+        if lag is not None:
+            self._sums[: self.count] = lag["sums"]
+            rows = lag["rows"]
+            self.values[rows] = lag["values"]
+            self.buffer[rows] = lag["momentum_buffer"]
+            self.synced[rows] = lag["synced"]
 
     def _advance(self, lr: float) -> None:
         """Step ``count + 1`` with rate ``lr``: add ``lr · m^(count+1-c)`` to G[c] for the
@@ -109,17 +151,21 @@ class LazyMomentumRows:
     def _catch_up(self, rows: Tensor) -> None:
         if not self.momentum or not len(rows):
             return
-        since = self.synced[rows]
-        behind = since < self.count
+        behind = self.synced[rows] < self.count
         if not bool(behind.any()):
             return
-        rows, since = rows[behind], since[behind]
+        rows = rows[behind]
+        self.values[rows], self.buffer[rows] = self._caught_up(rows)
+        self.synced[rows] = self.count
+
+    def _caught_up(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The values and buffers of ``rows`` (behind) as of step ``count``, computed anew."""
+        since = self.synced[rows]
         buf = self.buffer[rows]
         moved = self._sums[since].to(buf.dtype).unsqueeze(1)
-        self.values[rows] = self.values[rows] - moved * buf
         steps = (self.count - since).to(torch.float64)
-        self.buffer[rows] = buf * torch.pow(self.momentum, steps).to(buf.dtype).unsqueeze(1)
-        self.synced[rows] = self.count
+        decay = torch.pow(self.momentum, steps).to(buf.dtype).unsqueeze(1)
+        return self.values[rows] - moved * buf, buf * decay
 
 
 __all__ = ["LazyMomentumRows", "window_steps"]

@@ -40,6 +40,7 @@ from gradsync.comm.wire import (
     Outbox,
     Recv,
     TransportError,
+    decode_state,
     encode_state,
     nbytes,
 )
@@ -240,6 +241,11 @@ class P3Server(ServerPolicy):
         data = encode_state(self.state_tensors())
         header = Header(Kind.STATE_REPLY, length=data.numel())
         self.replies.put((message.worker, header, data), LAST)
+
+    def on_load(self, message: Message) -> None:
+        """Install the state; the acknowledgement goes with the replies (one sender)."""
+        self.load_state_tensors(decode_state(message.tensors[0]))
+        self.replies.put((message.worker, Header(Kind.LOADED, step=message.step), None), LAST)
 
     def on_done(self, worker: int) -> None:
         self.replies.put((worker, Header(Kind.FIN), None), LAST)

@@ -146,6 +146,9 @@ class DenseServer(ServerPolicy):
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         self.state.load_state_tensors(tensors)
 
+    def resume_at(self, steps_done: int) -> None:
+        self.clocks = [steps_done] * self.num_workers  # SSP: every worker is there
+
 
 class Client(ServerLinks):
     """A worker's end: push gradients to every server, pull their values back.

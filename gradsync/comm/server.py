@@ -41,7 +41,16 @@ from torch import Tensor, nn
 from gradsync.checkpoint import BUFFER, OPTIM, PARAM
 from gradsync.comm.objects import broadcast_json, broadcast_tensors
 from gradsync.comm.pieces import Piece
-from gradsync.comm.wire import TAG_REPLY, Inbox, Kind, Message, Outbox, ReadBody, decode_state
+from gradsync.comm.wire import (
+    TAG_REPLY,
+    Header,
+    Inbox,
+    Kind,
+    Message,
+    Outbox,
+    ReadBody,
+    decode_state,
+)
 from gradsync.metrics import MetricsWriter, ServerRecord
 from gradsync.optim import Updater
 
@@ -339,9 +348,12 @@ class ServerMetrics:
     close: Callable[[], None] = lambda: None
 
     @classmethod
-    def to_file(cls, out: str | Path, *, rank: int, server: int) -> ServerMetrics:
-        """Records in ``<out>/metrics/server<rank>.jsonl``; :attr:`close` closes the file."""
-        writer = MetricsWriter(Path(out), rank, prefix="server")
+    def to_file(
+        cls, out: str | Path, *, rank: int, server: int, steps_done: int = 0
+    ) -> ServerMetrics:
+        """Records in ``<out>/metrics/server<rank>.jsonl`` (a resumed run keeps those of
+        the ``steps_done`` steps before it); :attr:`close` closes the file."""
+        writer = MetricsWriter(Path(out), rank, prefix="server", keep_before=steps_done)
         return cls(rank=rank, server=server, write=writer.write, close=writer.close)
 
     def tally(self, step: int) -> Tally:
@@ -397,6 +409,13 @@ class ServerPolicy:
         """A checkpoint request: answer with the state now."""
         self.outbox.send_state(message.worker, self.state_tensors())
 
+    def on_load(self, message: Message) -> None:
+        """A resume: install the checkpoint's state, go on after ``message.step`` steps,
+        then acknowledge (the worker waits for it before anyone pushes or pulls)."""
+        self.load_state_tensors(decode_state(message.tensors[0]))
+        self.resume_at(message.step)
+        self.outbox.send(message.worker, Header(Kind.LOADED, step=message.step))
+
     def on_done(self, worker: int) -> None:
         """``worker`` has finished (its last push was answered)."""
 
@@ -405,6 +424,10 @@ class ServerPolicy:
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         raise NotImplementedError
+
+    def resume_at(self, steps_done: int) -> None:
+        """After a LOAD: the next push is of step ``steps_done`` (policies that count
+        steps set their counters here)."""
 
     def close(self) -> None:
         """After the last worker's DONE: every answer has left."""
@@ -429,7 +452,7 @@ def serve(inbox: Inbox, policy: ServerPolicy, *, num_workers: int) -> None:
             elif kind == Kind.STATE:
                 policy.on_state(message)
             elif kind == Kind.LOAD:
-                policy.load_state_tensors(decode_state(message.tensors[0]))
+                policy.on_load(message)
             elif kind == Kind.DONE:
                 done.add(message.worker)
                 policy.on_done(message.worker)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gradsync.checkpoint import LAZY, OPTIM, PARAM
 from gradsync.comm.groups import NodeGroup
 from gradsync.comm.lazy import LazyMomentumRows
 from gradsync.comm.placement import Variable, partition_variables, place_round_robin
@@ -55,6 +56,8 @@ from gradsync.comm.wire import (
     ServerLinks,
 )
 from gradsync.trace import NullTimeline, Phase
+
+LAG_ROWS = ("rows", "values", "momentum_buffer", "synced")  # per row behind; plus "sums"
 
 # -- variables, partitions, coalescing -------------------------------------------------------
 
@@ -326,19 +329,21 @@ class SparseShard:
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     def state_tensors(self) -> dict[str, Tensor]:
-        """``<i>/values`` and, with momentum, ``<i>/momentum_buffer`` per partition i."""
+        """``<i>/values`` per partition i and, with momentum, ``<i>/momentum_buffer`` and
+        ``<i>/lag/…`` (:meth:`~gradsync.comm.lazy.LazyMomentumRows.state`: saving changes
+        nothing)."""
         tensors = {}
         for i, part in enumerate(self.parts):
-            part.sync_all()
-            tensors[f"{i}/values"] = part.values.clone()
-            if self.momentum:
-                tensors[f"{i}/momentum_buffer"] = part.buffer.clone()
+            state = part.state() if self.momentum else {"values": part.values.clone()}
+            tensors.update({f"{i}/{key}": value for key, value in state.items()})
         return tensors
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         """The inverse of :meth:`state_tensors`."""
         for i, part in enumerate(self.parts):
-            part.load(tensors[f"{i}/values"], tensors.get(f"{i}/momentum_buffer"))
+            prefix = f"{i}/lag/"
+            lag = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            part.load(tensors[f"{i}/values"], tensors.get(f"{i}/momentum_buffer"), lag or None)
 
 
 def measure_apply_cost(row_numel: int, *, momentum: float, rows: int = 256) -> tuple[float, float]:
@@ -494,6 +499,9 @@ class SparseServer(ServerPolicy):
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         self.shard.load_state_tensors(tensors)
 
+    def resume_at(self, steps_done: int) -> None:
+        self.shard.num_applied = steps_done  # a pull of step t waits for t applied steps
+
 
 def install_rows(
     states: Sequence[dict[str, Tensor]],
@@ -511,16 +519,46 @@ def install_rows(
                 buffers[p.name].view(-1, p.row_numel)[rows] = state[f"{i}/momentum_buffer"]
 
 
+def lag_tensors(
+    states: Sequence[dict[str, Tensor]], on_server: Sequence[Sequence[RowPartition]]
+) -> dict[str, Tensor]:
+    """The rows every server has not caught up yet (``<i>/lag/…`` of
+    :meth:`SparseShard.state_tensors`) as checkpoint tensors ``lazy/<name>/…``: global row
+    numbers in ascending order, so they do not depend on the partitioning.
+
+    Example:
+        >>> lag = {"0/lag/rows": torch.tensor([1]), "0/lag/synced": torch.tensor([4]),
+        ...        "0/lag/values": torch.ones(1, 2), "0/lag/momentum_buffer": torch.ones(1, 2),
+        ...        "0/lag/sums": torch.zeros(5, dtype=torch.float64)}
+        >>> lag_tensors([lag], [[RowPartition("e", 2, 4, 2, 0)]])["lazy/e/rows"].tolist()
+        [3]
+    """
+    lags: dict[str, list[dict[str, Tensor]]] = {}
+    for state, parts in zip(states, on_server, strict=True):
+        for i, p in enumerate(parts):
+            if f"{i}/lag/sums" in state:
+                lag = {key: state[f"{i}/lag/{key}"] for key in (*LAG_ROWS, "sums")}
+                lags.setdefault(p.name, []).append({**lag, "rows": lag["rows"] + p.start})
+    tensors = {}
+    for name, parts_lag in lags.items():
+        rows = torch.cat([lag["rows"] for lag in parts_lag])
+        order = rows.argsort()
+        for key in LAG_ROWS:
+            tensors[f"{LAZY}{name}/{key}"] = torch.cat([lag[key] for lag in parts_lag])[order]
+        # Every partition of a variable applies the same steps: the same sums.
+        tensors[f"{LAZY}{name}/sums"] = parts_lag[0]["sums"]
+    return tensors
+
+
 def cut_rows(
-    tables: dict[str, Tensor],
-    buffers: dict[str, Tensor],
-    on_server: Sequence[Sequence[RowPartition]],
+    tensors: dict[str, Tensor], on_server: Sequence[Sequence[RowPartition]]
 ) -> list[dict[str, Tensor]]:
-    """The inverse of :func:`install_rows`: each server's state from whole tables (resume).
+    """Each server's state (keys of :meth:`SparseShard.state_tensors`) from checkpoint
+    ``tensors`` (resume): the inverse of :func:`install_rows` and :func:`lag_tensors`.
 
     Example:
         >>> parts = [[RowPartition("e", 0, 1, 2, 0)], [RowPartition("e", 1, 3, 2, 1)]]
-        >>> cut_rows({"e": torch.arange(6.0).view(3, 2)}, {}, parts)[1]["0/values"].tolist()
+        >>> cut_rows({"param/e": torch.arange(6.0).view(3, 2)}, parts)[1]["0/values"].tolist()
         [[2.0, 3.0], [4.0, 5.0]]
     """
     states = []
@@ -528,9 +566,18 @@ def cut_rows(
         state = {}
         for i, p in enumerate(parts):
             rows = slice(p.start, p.stop)
-            state[f"{i}/values"] = tables[p.name].reshape(-1, p.row_numel)[rows]
-            if p.name in buffers:
-                state[f"{i}/momentum_buffer"] = buffers[p.name].reshape(-1, p.row_numel)[rows]
+            state[f"{i}/values"] = tensors[PARAM + p.name].reshape(-1, p.row_numel)[rows]
+            buffer = tensors.get(f"{OPTIM}{p.name}/momentum_buffer")
+            if buffer is not None:
+                state[f"{i}/momentum_buffer"] = buffer.reshape(-1, p.row_numel)[rows]
+            lag = f"{LAZY}{p.name}/"
+            if lag + "sums" in tensors:
+                behind = tensors[lag + "rows"]
+                inside = (behind >= p.start) & (behind < p.stop)
+                for key in LAG_ROWS:
+                    state[f"{i}/lag/{key}"] = tensors[lag + key][inside]
+                state[f"{i}/lag/rows"] = behind[inside] - p.start
+                state[f"{i}/lag/sums"] = tensors[lag + "sums"]
         states.append(state)
     return states
 
@@ -626,6 +673,7 @@ __all__ = [
     "cut_rows",
     "gather_rows_on_node",
     "install_rows",
+    "lag_tensors",
     "measure_apply_cost",
     "partition_rows",
     "sparse_reader",

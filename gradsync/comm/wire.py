@@ -48,17 +48,18 @@ TAG_PUSH, TAG_REPLY = 101, 102  # worker → server, server → worker
 
 
 class Kind(IntEnum):
-    """What a message is. Worker → server: PUSH … LOAD; server → worker: REPLY … FIN."""
+    """What a message is. Worker → server: PUSH … DONE; server → worker: REPLY … LOADED."""
 
     PUSH = 0  # gradients
     PULL = 1  # a request for values (hybrid's rows)
     NO_GRADIENT = 2  # a piece that had no gradient on this worker (p3)
     STATE = 3  # a request for the server's authoritative state (checkpoint)
-    LOAD = 4  # a state to install (resume); safetensors bytes follow
+    LOAD = 4  # a state to install (resume) and the steps done; safetensors bytes follow
     DONE = 5  # this worker has finished
     REPLY = 10  # fresh values
     STATE_REPLY = 11  # safetensors bytes follow
     FIN = 12  # the server's last message to a worker
+    LOADED = 13  # a LOAD is installed
 
 
 class TransportError(RuntimeError):
@@ -364,11 +365,25 @@ class ServerLinks:
             states.append(decode_state(message.tensors[0]))
         return states
 
-    def load_state(self, states: Sequence[dict[str, Tensor]]) -> None:
-        """Install ``states[s]`` on server s (resume); before the first push or pull."""
+    def load_state(self, states: Sequence[dict[str, Tensor]], step: int) -> None:
+        """Install ``states[s]`` on server s, which goes on after ``step`` steps (resume);
+        before the first push or pull. Returns once every server has acknowledged it."""
+        self.send_load(states, step)
+        for rank in self.servers:
+            if rank is None:
+                message = self.local_reply()
+            else:
+                message = receive(rank, self.group, TAG_REPLY, lambda header, recv: [])
+            if message.kind != Kind.LOADED:
+                raise TransportError(f"a server answered a LOAD with {message.kind.name}")
+
+    def send_load(self, states: Sequence[dict[str, Tensor]], step: int) -> None:
+        """Send ``states[s]`` to server s (:meth:`load_state` without waiting for the
+        acknowledgements, for a strategy whose receiver threads collect them)."""
         for server, state in enumerate(states):
             data = encode_state(state)
-            self.send(server, Header(Kind.LOAD, worker=self.worker, length=data.numel()), [data])
+            header = Header(Kind.LOAD, worker=self.worker, step=step, length=data.numel())
+            self.send(server, header, [data])
 
     def done(self) -> None:
         """Tell every server this worker has finished."""

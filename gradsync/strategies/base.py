@@ -3,6 +3,7 @@
 A strategy is one file and one registry line. The trainer calls, in order::
 
     module = strategy.setup(model, context)     # hooks, wrappers, initial broadcast
+    strategy.restore_state(tensors, steps_done) # --resume only: a checkpoint's state
     ... forward(module), loss.backward() ...
     strategy.step()                             # finish communication, update parameters
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.checkpoint import model_state
+from gradsync.checkpoint import load_model_state, model_state
 from gradsync.comm.counters import CommStats
 from gradsync.comm.server import ColocatedServer, ServerPolicy, serve
 from gradsync.comm.wire import Inbox
@@ -40,6 +41,7 @@ class Context:
     is the peak learning rate after batch-size scaling (0.0 on server ranks, which learn
     it from worker 0). ``missing_gradients``, for strategies that set ``probes_gradients``:
     the trainable parameters that got no gradient on some worker in step 0.
+    ``steps_done``: where a resumed run goes on (its checkpoint's step; 0 otherwise).
     """
 
     config: TrainConfig
@@ -54,6 +56,7 @@ class Context:
     role: str = "worker"
     lr: float = 0.0
     missing_gradients: frozenset[str] | None = None
+    steps_done: int = 0
 
 
 class Strategy(ABC):
@@ -133,6 +136,35 @@ class Strategy(ABC):
         state = self.checkpoint_state()
         return None if state is None else model_state(*state)
 
+    def restore_state(self, tensors: dict[str, torch.Tensor], steps_done: int) -> None:
+        """``--resume``, on every worker after :meth:`setup` and before the first step: go
+        on from a checkpoint's state (keys of :meth:`checkpoint_tensors`) after
+        ``steps_done`` steps. This default puts it into this worker's model and updater,
+        where data-parallel strategies keep it; a strategy that saves state from elsewhere
+        must override both.
+
+        Example:
+            >>> # strategy.restore_state(load_checkpoint("runs/a").tensors, 10)
+        """
+        assert self.model is not None
+        optimizer = self.updater.optimizer if self.updater is not None else None
+        load_model_state(self.model, optimizer, tensors)
+        if self.updater is not None:
+            self.updater.resume_at(steps_done)  # the learning rate of step steps_done
+
+    @classmethod
+    def resumable(cls) -> bool:
+        """Whether :meth:`restore_state` puts back what :meth:`checkpoint_tensors` saves:
+        the default restores worker-local state, which the default checkpoint saves.
+
+        Example:
+            >>> from gradsync.strategies import strategy_class
+            >>> strategy_class("ps").resumable()
+            True
+        """
+        overridden = cls.restore_state is not Strategy.restore_state
+        return overridden or cls.checkpoint_tensors is Strategy.checkpoint_tensors
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions(StrategyOptions):
@@ -167,6 +199,25 @@ class ServerStrategy(Strategy):
     runs it on a dedicated rank or in a thread of a worker (colocated)."""
 
     server_ranks: list[int]  # server s → its global rank (the worker's own when colocated)
+    _step: int  # on a worker: steps done, the number of its next push
+
+    def restore_state(self, tensors: dict[str, torch.Tensor], steps_done: int) -> None:
+        """Every worker takes the checkpoint's values (its first forward reads them) and
+        numbers its next push ``steps_done`` (servers apply the learning rate of the step
+        they are sent); worker 0 installs the servers' part on every server, and no worker
+        goes on before every server has acknowledged it."""
+        assert self.model is not None and self.context is not None
+        load_model_state(self.model, None, tensors)
+        self._step = steps_done
+        if self.context.worker_index == 0:
+            self.load_checkpoint_tensors(tensors, steps_done)
+        dist.barrier(group=self.context.worker_group)  # no push or pull before the LOADs
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor], steps_done: int) -> None:
+        """Worker 0, after setup and before the first step: install a checkpoint's values
+        and optimizer state (keys of :meth:`checkpoint_tensors`) on every server, which go
+        on after ``steps_done`` steps; returns once every server has acknowledged."""
+        raise NotImplementedError
 
     def _server(
         self, server: int, initial: dict[str, torch.Tensor], local_worker: int | None

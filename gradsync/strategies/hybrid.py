@@ -55,6 +55,7 @@ from gradsync.comm.sparse import (
     cut_rows,
     gather_rows_on_node,
     install_rows,
+    lag_tensors,
     measure_apply_cost,
     partition_rows,
     sparse_reader,
@@ -66,7 +67,13 @@ from gradsync.errors import UserError
 from gradsync.options import InvalidOption, option
 from gradsync.probe import lookup_tables
 from gradsync.strategies.allreduce import FusionOptions
-from gradsync.strategies.base import Context, ServerOptions, ServerStrategy, broadcast_parameters
+from gradsync.strategies.base import (
+    Context,
+    ServerOptions,
+    ServerStrategy,
+    Strategy,
+    broadcast_parameters,
+)
 from gradsync.trace import COMPUTE, Phase
 
 
@@ -305,7 +312,9 @@ class Hybrid(ServerStrategy):
         policy = SparseServer(
             shard,
             outbox,
-            ServerMetrics.to_file(context.config.out, rank=context.rank, server=server),
+            ServerMetrics.to_file(
+                context.config.out, rank=context.rank, server=server, steps_done=context.steps_done
+            ),
             pushers=self.pushers,
             scale=1.0 / workers if self.options.average_sparse else 1.0,
             timeline=context.timeline,
@@ -422,19 +431,15 @@ class Hybrid(ServerStrategy):
         if colocate:
             self.client.local_inbox, self._colocated = self._start_colocated(context, initial)
         self._connected = True
-        if self._to_load is not None:
-            tables = {n: self._to_load[PARAM + n] for n in self.sparse_names}
-            buffers = {
-                n: self._to_load[key]
-                for n in self.sparse_names
-                if (key := f"{OPTIM}{n}/momentum_buffer") in self._to_load
-            }
-            self.client.load_state(cut_rows(tables, buffers, self.on_server))
+        if self._to_load is not None:  # --resume: the servers take the checkpoint's rows
+            if context.worker_index == 0:
+                self.client.load_state(cut_rows(self._to_load, self.on_server), self._step)
+            dist.barrier(group=context.worker_group)  # no pull before every LOAD is in
             self._to_load = None
 
     def _pull_rows(self, name: str, lookup: Tensor) -> None:
         """Forward pre-hook of a sparse lookup: fetch exactly the rows it is about to read."""
-        if not self._connected:  # step 0: every worker holds the broadcast initial values
+        if not self._connected:  # first step: every worker holds the same initial values
             return
         started = time.perf_counter()
         rows = torch.unique(lookup.reshape(-1))
@@ -550,16 +555,22 @@ class Hybrid(ServerStrategy):
         if self.context.config.optim.momentum:
             buffers = {n: torch.zeros_like(t) for n, t in tables.items()}
             tensors.update({f"{OPTIM}{n}/momentum_buffer": b for n, b in buffers.items()})
+            tensors.update(lag_tensors(states, self.on_server))  # for --resume, exactly
         with torch.no_grad():  # worker 0's tables get the servers' rows (evaluation reads them)
             install_rows(states, self.on_server, tables, buffers)
         for name in self.sparse_names:
             tensors[PARAM + name] = self.params[name].detach().clone()
         return {k: v.contiguous() for k, v in tensors.items()}
 
-    def load_checkpoint_tensors(self, tensors: dict[str, Tensor]) -> None:
-        """Worker 0, after setup: the servers take their rows and momentum from a
-        checkpoint (keys of :meth:`checkpoint_tensors`) when they start (first step)."""
-        self._to_load = tensors
+    def restore_state(self, tensors: dict[str, Tensor], steps_done: int) -> None:
+        """Every worker restores its model, dense optimizer state and schedule (the default)
+        and numbers its next push ``steps_done``; the servers start at the end of the first
+        step (as in a fresh run, whose first step reads the tables every worker holds), and
+        then worker 0 installs the checkpoint's rows, momentum and lazy rows on them."""
+        Strategy.restore_state(self, tensors, steps_done)
+        self._step = steps_done
+        if self.sparse_names:
+            self._to_load = tensors
 
     def finish(self) -> None:
         if not self._connected:

@@ -193,7 +193,9 @@ class PriorityPropagation(ServerStrategy):
         policy = self.server_policy(
             states,
             outbox,
-            ServerMetrics.to_file(config.out, rank=context.rank, server=server),
+            ServerMetrics.to_file(
+                config.out, rank=context.rank, server=server, steps_done=context.steps_done
+            ),
             num_workers=workers,
             fifo=not config.strategy_options.priority,
             timeout_s=self.timeout_s,
@@ -233,7 +235,7 @@ class PriorityPropagation(ServerStrategy):
         self._bytes_sent = 0
         self._bytes_recv = [0] * self.num_servers
         self._exposed_s = 0.0
-        self._states: list[queue.Queue[Tensor]] = [queue.Queue() for _ in self.server_ranks]
+        self._control: list[queue.Queue[Message]] = [queue.Queue() for _ in self.server_ranks]
         self._local_server: int | None = None
         self._colocated: ColocatedServer | None = None
         self.links = ServerLinks(
@@ -383,8 +385,8 @@ class PriorityPropagation(ServerStrategy):
                 self._cond.notify_all()
             return
         self._bytes_recv[server] += message.wire_bytes
-        if message.kind == Kind.STATE_REPLY:
-            self._states[server].put(message.tensors[0])
+        if message.kind in (Kind.STATE_REPLY, Kind.LOADED):
+            self._control[server].put(message)
         if message.kind != Kind.REPLY:
             return
         header = message.header
@@ -462,32 +464,40 @@ class PriorityPropagation(ServerStrategy):
             self.sender.put(("control", Kind.STATE, server), LAST)
         per_slice: dict[int, dict[str, Tensor]] = {}
         for server in range(self.num_servers):
-            for key, value in decode_state(self._get_state(server)).items():
+            message = self._control_reply(server, Kind.STATE_REPLY)
+            for key, value in decode_state(message.tensors[0]).items():
                 index, _, rest = key.partition("/")
                 per_slice.setdefault(int(index), {})[rest] = value
         pieces = [[_piece(s)] for s in self.slices]
         return assemble_checkpoint(self.model, pieces, [per_slice[s.index] for s in self.slices])
 
-    def load_checkpoint_tensors(self, tensors: dict[str, Tensor]) -> None:
-        """Worker 0, after setup and before the first step: install a checkpoint's values
-        and optimizer state (keys of :meth:`checkpoint_tensors`) on every server."""
+    def load_checkpoint_tensors(self, tensors: dict[str, Tensor], steps_done: int) -> None:
         states: list[dict[str, Tensor]] = [{} for _ in range(self.num_servers)]
         for s in self.slices:
             for key, value in split_variable(tensors, [_piece(s)]).items():
                 states[s.server][f"{s.index}/{key}"] = value
-        self.links.load_state(states)
+        # Sent from this thread: the sender has sent nothing yet, and sends nothing before
+        # the acknowledgements, which arrive on the receiver threads.
+        self.links.send_load(states, steps_done)
+        for server in range(self.num_servers):
+            self._control_reply(server, Kind.LOADED)
 
-    def _get_state(self, server: int) -> Tensor:
+    def _control_reply(self, server: int, kind: Kind) -> Message:
+        """The next STATE_REPLY or LOADED of ``server`` (its receiver thread queued it)."""
         deadline = time.perf_counter() + self.timeout_s
         while True:
             try:
-                return self._states[server].get(timeout=0.5)
+                message = self._control[server].get(timeout=0.5)
             except queue.Empty:
                 self._raise_if_failed()
                 if time.perf_counter() > deadline:
                     raise TransportError(
-                        f"server {server} sent no checkpoint state in {self.timeout_s:g} s"
+                        f"server {server} sent no {kind.name} in {self.timeout_s:g} s"
                     ) from None
+                continue
+            if message.kind != kind:
+                raise TransportError(f"server {server} sent {message.kind.name}, not {kind.name}")
+            return message
 
     def finish(self) -> None:
         """Tell every server this worker is done; wait for their last message."""

@@ -158,7 +158,9 @@ class ParameterServer(ServerStrategy):
         policy = DenseServer(
             state,
             outbox,
-            ServerMetrics.to_file(config.out, rank=context.rank, server=server),
+            ServerMetrics.to_file(
+                config.out, rank=context.rank, server=server, steps_done=context.steps_done
+            ),
             num_workers=workers,
             synchronous=self.is_synchronous(config),
             staleness=config.strategy_options.staleness,
@@ -239,10 +241,9 @@ class ParameterServer(ServerStrategy):
             return None
         return assemble_checkpoint(self.model, self.pieces, self.client.request_state())
 
-    def load_checkpoint_tensors(self, tensors: dict[str, Tensor]) -> None:
-        """Worker 0, after setup and before the first step: install a checkpoint's values
-        and optimizer state (keys of :meth:`checkpoint_tensors`) on every server."""
-        self.client.load_state([split_variable(tensors, pieces) for pieces in self.pieces])
+    def load_checkpoint_tensors(self, tensors: dict[str, Tensor], steps_done: int) -> None:
+        states = [split_variable(tensors, pieces) for pieces in self.pieces]
+        self.client.load_state(states, steps_done)
 
     def finish(self) -> None:
         self.client.done()

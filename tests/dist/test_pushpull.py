@@ -126,7 +126,7 @@ def _loaded(rank: int, world_size: int) -> list:
         return []
     client = Client(worker=rank, sizes=[3], push_sizes=[4], servers=[2], group=None, timeout_s=20)
     if rank == 0:
-        client.load_state([{"values": torch.full((3,), 5.0)}])
+        client.load_state([{"values": torch.full((3,), 5.0)}], 0)  # returns once acknowledged
     client.push_buffers[0][:] = 1.0
     client.push_pull(0)
     state = client.request_state() if rank == 0 else None

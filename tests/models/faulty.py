@@ -5,7 +5,9 @@ Options (``--model-option KEY=VALUE``):
 - ``crash_at=N``: the rank ``crash_rank`` (default 1) kills itself with SIGKILL in its N-th
   forward pass, once: it first creates the file ``marker``, and does nothing if it exists
   (so a resumed or restarted run goes through);
-- ``nan_at=N``: the loss is NaN from the N-th forward pass on.
+- ``nan_at=N``: the loss is NaN from the N-th forward pass on;
+- ``sparse=1``: it also adds a row of a sparse ``nn.Embedding`` (picked by the first
+  input) to its output, so ``hybrid`` has a sparse variable for its servers.
 
 It has dropout, so a resumed run matches only if the RNG streams are restored too.
 """
@@ -20,13 +22,18 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+ROWS = 12
+
 
 class Faulty(nn.Module):
-    def __init__(self, *, dropout: bool, crash_at: int, crash_rank: int, marker: str) -> None:
+    def __init__(
+        self, *, dropout: bool, crash_at: int, crash_rank: int, marker: str, sparse: bool
+    ) -> None:
         super().__init__()
         self.layers = nn.Sequential(
             nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2 if dropout else 0.0), nn.Linear(16, 4)
         )
+        self.table = nn.Embedding(ROWS, 4, sparse=True) if sparse else None
         self.calls = 0
         self.crash_at, self.crash_rank, self.marker = crash_at, crash_rank, Path(marker)
 
@@ -36,7 +43,11 @@ class Faulty(nn.Module):
         if self.calls == self.crash_at and crash_here and not self.marker.exists():
             self.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
-        return self.layers(inputs)
+        output = self.layers(inputs)
+        if self.table is not None:  # a few hot rows, others rarely: rows the servers leave behind
+            rows = (inputs[:, 0].abs() * 4).long().clamp(max=ROWS - 1)
+            output = output + self.table(rows)
+        return output
 
 
 def build(
@@ -46,12 +57,17 @@ def build(
     crash_rank: str = "1",
     marker: str = "crashed",
     nan_at: str = "0",
+    sparse: str = "0",
 ):
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(256, 8, generator=generator)
     targets = torch.randint(0, 4, (256,), generator=generator)
     model = Faulty(
-        dropout=dropout, crash_at=int(crash_at), crash_rank=int(crash_rank), marker=marker
+        dropout=dropout,
+        crash_at=int(crash_at),
+        crash_rank=int(crash_rank),
+        marker=marker,
+        sparse=sparse == "1",
     )
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

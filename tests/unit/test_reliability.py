@@ -26,9 +26,11 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.heartbeat import LastBeat
 from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank
-from gradsync.resume import check_resume, meta_differences
+from gradsync.resume import check_resume, meta_differences, resumable
 from gradsync.rundir import claim_run_dir
 from gradsync.signals import HANDLED, Stopped, stop_on_signals
+from gradsync.strategies import STRATEGIES
+from gradsync.strategies.single import SingleProcess
 from gradsync.trainer import LossNotFinite, check_loss
 
 # ---------------------------------------------------------------- run folders
@@ -216,16 +218,29 @@ def test_a_stale_sidecar_is_ignored_with_a_warning(
     assert "stale" in capsys.readouterr().err
 
 
-def test_resume_names_a_setting_that_differs_and_refuses_server_strategies(
+class _SavesItsOwnState(SingleProcess):
+    """A plugin whose checkpoint comes from elsewhere, with no restore_state to match."""
+
+    name = "saves-own"
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor] | None:
+        return {}
+
+
+def test_resume_names_a_setting_that_differs_and_refuses_a_strategy_it_cannot_restore(
     tmp_path: Path,
 ) -> None:
     meta = {"model": "mnist-cnn", "preset": "tiny", "seed": 0, "workers": 2, "dtype": "float64"}
     config = TrainConfig(model="mnist-cnn", preset="tiny", workers=2, seed=1, dtype="float64")
     assert meta_differences(meta, config) == ["seed 0, not 1"]
-    with pytest.raises(UserError, match="server ranks"):
-        check_resume(TrainConfig(strategy="ps", workers=2), tmp_path)
+    assert all(resumable(name) for name in ("single", "ddp", "allreduce", "ps", "hybrid", "p3"))
+    with mock.patch.dict(STRATEGIES, {"saves-own": _SavesItsOwnState}):
+        assert not resumable("saves-own")
+        with pytest.raises(UserError, match="no restore_state") as refused:
+            check_resume(TrainConfig(strategy="saves-own"), tmp_path)
+    assert len(str(refused.value).splitlines()) == 1
     with pytest.raises(UserError, match="wrote no checkpoint"):
-        check_resume(TrainConfig(workers=2), tmp_path)
+        check_resume(TrainConfig(strategy="ps", workers=2), tmp_path)
 
 
 def test_a_loss_that_is_not_finite_names_the_step() -> None:
