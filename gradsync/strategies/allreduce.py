@@ -24,15 +24,21 @@ from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 
 @dataclass(frozen=True, kw_only=True)
 class FusionOptions(StrategyOptions):
-    """Horovod's fusion buffer and gradient compression (``hybrid``'s dense path too)."""
+    """Horovod's fusion buffer and gradient compression (``hybrid``'s dense path too).
+
+    The defaults (4 MB buckets, a 1 MB first one) launch buckets while backward runs, as
+    Horovod's cycle time does; one 64 MB buffer (Horovod's threshold) is launched only when
+    backward ends. Measured on 2 emulated hosts at 1 Gbit/s (interleaved, 3 rounds):
+    4/1 MB is 1.14× ddp on transformer and 1.42× on vgg16, 64 MB 1.01× and 1.03×.
+    """
 
     fusion_threshold_mb: float = option(
-        64.0, help="fusion buffer size in MB; 0 disables fusion", metavar="MB", at_least=0
+        4.0, help="fusion bucket size in MB; 0 disables fusion", metavar="MB", at_least=0
     )
     first_bucket_mb: float = option(
-        0.0,
+        1.0,
         help="cap of the first bucket (the gradients backward produces first), so they leave "
-        "before a full buffer is ready, as DDP's 1 MB first bucket; 0: no cap",
+        "before a full bucket is ready, as DDP's 1 MB first bucket; 0: no cap",
         metavar="MB",
         at_least=0,
     )

@@ -128,7 +128,7 @@ def test_defaults_are_valid_and_documented_values():
     cfg = TrainConfig()
     assert (cfg.workers, cfg.steps, cfg.global_batch, cfg.strategy) == (1, 50, None, "allreduce")
     assert cfg.strategy_options == AllreduceOptions()
-    assert cfg.strategy_options.fusion_threshold_mb == 64.0
+    assert cfg.strategy_options.fusion_threshold_mb == 4.0
     assert cfg.optim.base_lr() == DEFAULT_LR["sgd"] == 0.05
     assert OptimConfig(name="adam").base_lr() == 1e-3
     assert OptimConfig(name="adam", lr=0.3).base_lr() == 0.3
@@ -209,7 +209,7 @@ def test_to_json_is_plain_sorted_json_with_nested_objects():
     assert list(raw) == sorted(raw)
     assert raw["optim"]["name"] == "adam"
     assert raw["strategy_options"] == {
-        "first_bucket_mb": 0.0,
+        "first_bucket_mb": 1.0,
         "fp16_compression": True,
         "fusion_threshold_mb": 0.5,
         "sparse_as_dense": False,

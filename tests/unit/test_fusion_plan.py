@@ -175,6 +175,6 @@ def test_allreduce_bucket_and_sparse_options() -> None:
 
     with pytest.raises(UserError, match=r"--first-bucket-mb must be >= 0, got -1\.0"):
         AllreduceOptions(first_bucket_mb=-1.0)
-    assert AllreduceOptions().first_bucket_bytes is None
-    assert AllreduceOptions(first_bucket_mb=1.0).first_bucket_bytes == 1 << 20
+    assert AllreduceOptions(first_bucket_mb=0).first_bucket_bytes is None
+    assert AllreduceOptions().first_bucket_bytes == 1 << 20  # DDP's first bucket
     assert not AllreduceOptions().sparse_as_dense

@@ -52,7 +52,8 @@ def ring(n: int, num_bytes: float, rate: float, hop: float) -> float:
     return 2 * (n - 1) / n * num_bytes / rate + 2 * (n - 1) * hop
 
 
-ALLREDUCE = StrategyChoice("allreduce", AllreduceOptions())
+# Horovod's one 64 MB buffer, no first-bucket cap: these small models fit in one bucket.
+ALLREDUCE = StrategyChoice("allreduce", AllreduceOptions(fusion_threshold_mb=64, first_bucket_mb=0))
 
 
 def test_one_bucket_after_backward_is_compute_plus_ring() -> None:
