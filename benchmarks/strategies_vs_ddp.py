@@ -8,8 +8,9 @@ worker sent per step (counted, not modelled). Servers of ps, hybrid and p3 are c
 in the workers, so every strategy runs on the same processes and cores.
 
 Held equal in every cell (printed): model and preset, model options, global batch, data
-(synthetic, fixed by seed and step), dropout (on, as training), BatchNorm over the global
-batch, 1 intra-op thread per rank, workers, steps and warm-up, the network.
+(synthetic, fixed by seed and step), dropout (off, as `gradsync bench` runs every cell),
+BatchNorm over the global batch, 1 intra-op thread per rank, workers, steps and warm-up,
+the network.
 
     python benchmarks/strategies_vs_ddp.py --rounds 3 --steps 20
     python benchmarks/strategies_vs_ddp.py --network 1gbit --models transformer lstm-lm
@@ -122,7 +123,7 @@ def main() -> None:
     if "ddp" not in args.strategies:
         parser.error("--strategies must include ddp, the baseline")
     print(
-        "held equal: model, preset, model options, global batch, synthetic data, dropout on, "
+        "held equal: model, preset, model options, global batch, synthetic data, dropout off, "
         f"BatchNorm over the global batch, 1 thread per rank, {args.workers} workers, "
         f"{args.steps} steps, servers colocated in the workers",
         flush=True,
