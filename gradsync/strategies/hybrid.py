@@ -499,7 +499,8 @@ class Hybrid(ServerStrategy):
             return rows, present
         started = time.perf_counter()
         num_rows = {n: self.params[n].shape[0] for n in self.sparse_names}
-        merged, anywhere, moved = gather_rows_on_node(rows, present, num_rows, node)
+        with self.context.timeline.span("sparse-node", Phase.ALLGATHER, step=self._step):
+            merged, anywhere, moved = gather_rows_on_node(rows, present, num_rows, node)
         self._count(moved, moved, time.perf_counter() - started)
         return (merged, anywhere) if self.context.rank == min(node.ranks) else None
 
@@ -512,7 +513,9 @@ class Hybrid(ServerStrategy):
             rows, present = self._local_rows()
             if not self._connected:
                 self._connect({n: r[0] for n, r in rows.items()})
-            self._push(rows, present, lr)
+            # The training thread waits for the node's row sum and the push: exposed.
+            with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="sparse rows"):
+                self._push(rows, present, lr)
         self._step += 1
 
     def _push(
