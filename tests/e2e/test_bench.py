@@ -55,7 +55,8 @@ def test_interrupted_sweep_resumes_without_redoing_cells(
     experiment_file = workdir / "two.toml"
     experiment_file.write_text(
         'name = "two"\nmodels = ["mnist-cnn"]\npreset = "tiny"\n'
-        'strategies = ["allreduce"]\nworkers = [1, 2]\nthreads = [1]\nsteps = 3\n'
+        # Two one-rank cells: this test is about resuming, not about multi-rank jobs.
+        'strategies = ["single", "allreduce"]\nworkers = [1]\nthreads = [1]\nsteps = 3\n'
     )
     experiment = load_experiment(experiment_file)
     real_run_cell = sweep.run_cell
