@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -132,28 +132,35 @@ def sidecar_path(path: Path) -> Path:
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Read a checkpoint; a missing or corrupt file is a UserError (exit 2)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "checkpoint.safetensors"
-    if not path.is_file():
-        raise UserError(
-            f"no checkpoint at {path}; pass a .safetensors file written by gradsync "
-            "or its run folder"
-        )
+    path = _checkpoint_file(path)
+    meta = load_checkpoint_meta(path)
     try:
         tensors = load_file(str(path))
-        from safetensors import safe_open
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise _corrupt(path, error) from None
+    return Checkpoint(path=path, tensors=tensors, meta=meta)
 
+
+def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's metadata (step, model, strategy…) from its header, no tensors read.
+
+    The header was written with the tensors, so it wins over a possibly stale sidecar.
+
+    Example:
+        >>> import tempfile, torch
+        >>> p = Path(tempfile.mkdtemp()) / "ckpt.safetensors"
+        >>> save_checkpoint(p, {"param/w": torch.ones(2)}, {"step": 7})
+        >>> load_checkpoint_meta(p)["step"]
+        7
+    """
+    path = _checkpoint_file(path)
+    try:
         with safe_open(str(path), framework="pt") as handle:
             header = (handle.metadata() or {}).get("gradsync")
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise UserError(
-            f"checkpoint {path} is corrupt or not a safetensors file ({error}); "
-            "rerun the job that wrote it"
-        ) from None
+        raise _corrupt(path, error) from None
     sidecar = sidecar_path(path)
     try:
-        # The header was written with the tensors, so it wins over a possibly stale sidecar.
         text = header or (sidecar.read_text() if sidecar.is_file() else None)
         meta = json.loads(text) if text else {}
     except (json.JSONDecodeError, OSError) as error:
@@ -162,7 +169,27 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         ) from None
     if header:
         _warn_if_stale(sidecar, meta)
-    return Checkpoint(path=path, tensors=tensors, meta=meta)
+    return meta
+
+
+def _checkpoint_file(path: str | Path) -> Path:
+    """``path`` itself, or the checkpoint in run folder ``path``; UserError when absent."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoint.safetensors"
+    if not path.is_file():
+        raise UserError(
+            f"no checkpoint at {path}; pass a .safetensors file written by gradsync "
+            "or its run folder"
+        )
+    return path
+
+
+def _corrupt(path: Path, error: Exception) -> UserError:
+    return UserError(
+        f"checkpoint {path} is corrupt or not a safetensors file ({error}); "
+        "rerun the job that wrote it"
+    )
 
 
 def _warn_if_stale(sidecar: Path, meta: dict[str, Any]) -> None:

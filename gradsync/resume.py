@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import RNG, Checkpoint, load_checkpoint
+from gradsync.checkpoint import RNG, Checkpoint, load_checkpoint_meta
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.strategies import Strategy, strategy_class
@@ -70,7 +70,7 @@ def checkpoint_step(run_dir: Path) -> int | None:
     path = run_dir / CHECKPOINT_FILE
     if not path.is_file():
         return None
-    return int(load_checkpoint(path).meta.get("step", 0))
+    return int(load_checkpoint_meta(path).get("step", 0))  # the header alone: no tensors
 
 
 def check_resume(config: TrainConfig, run_dir: Path) -> int:
@@ -91,9 +91,9 @@ def check_resume(config: TrainConfig, run_dir: Path) -> int:
             f"--resume {run_dir}: the run wrote no checkpoint (it stopped before its first "
             "one); start it again with --checkpoint-every N"
         )
-    checkpoint = load_checkpoint(run_dir / CHECKPOINT_FILE)
-    step = int(checkpoint.meta.get("step", 0))
-    for difference in meta_differences(checkpoint.meta, config):
+    meta = load_checkpoint_meta(run_dir / CHECKPOINT_FILE)
+    step = int(meta.get("step", 0))
+    for difference in meta_differences(meta, config):
         raise UserError(
             f"--resume {run_dir}: the run was started with {difference}; resume it with the "
             "same settings"

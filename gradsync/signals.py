@@ -46,6 +46,8 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
 def signals_deferred() -> Iterator[None]:
     """Hold SIGTERM/SIGHUP until the block ends, then raise :class:`Stopped` for the first.
 
+    A block that raises keeps its own exception; the held signal is dropped with it.
+
     For writes that must finish together (a checkpoint and its sidecar): a signal that
     arrives in between stops the job after both are written, never between them.
 
@@ -59,10 +61,13 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         _deferring -= 1
-    if not _deferring and _pending:
-        signum = _pending[0]
-        _pending.clear()
-        raise Stopped(signum)
+        # At the outermost exit the held signals are taken, even when the block raised:
+        # its own exception then goes on (the job stops either way), and none stays pending.
+        held = _pending[:] if not _deferring else []
+        if held:
+            _pending.clear()
+    if held:
+        raise Stopped(held[0])
 
 
 def stop_on_signals() -> None:

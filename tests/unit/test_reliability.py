@@ -26,9 +26,10 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.heartbeat import LastBeat
 from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank
-from gradsync.resume import check_resume, meta_differences, resumable
+from gradsync.resume import check_resume, checkpoint_step, meta_differences, resumable
 from gradsync.rundir import claim_run_dir
-from gradsync.signals import HANDLED, Stopped, stop_on_signals
+from gradsync.runtime import CHECKPOINT_FILE
+from gradsync.signals import HANDLED, Stopped, signals_deferred, stop_on_signals
 from gradsync.strategies import STRATEGIES
 from gradsync.strategies.single import SingleProcess
 from gradsync.trainer import LossNotFinite, check_loss
@@ -165,6 +166,26 @@ def test_a_sigterm_during_a_checkpoint_lands_after_the_sidecar(tmp_path: Path) -
             signal.signal(signum, handler)
     assert json.loads(sidecar_path(path).read_text())["step"] == 4
     assert load_checkpoint(path).meta["step"] == 4
+
+
+def test_a_failed_deferred_block_keeps_its_error_and_leaves_no_signal_pending() -> None:
+    previous = {s: signal.getsignal(s) for s in HANDLED}
+    stop_on_signals()
+    try:
+        with pytest.raises(OSError, match="disk full"), signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise OSError("disk full")
+        with signals_deferred():
+            pass  # the dropped SIGTERM of the failed block does not stop this one
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_the_step_of_a_checkpoint_is_read_from_its_header_alone(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path / CHECKPOINT_FILE, {"param/w": torch.ones(2)}, {"step": 9})
+    with mock.patch.object(checkpoint, "load_file", side_effect=AssertionError("read tensors")):
+        assert checkpoint_step(tmp_path) == 9
 
 
 # ---------------------------------------------------------------- bench identity and bounds
