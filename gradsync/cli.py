@@ -637,9 +637,16 @@ COMMANDS.update(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradsync`` command; returns the exit code."""
-    from gradsync.signals import Stopped, stop_on_signals
+    from gradsync.rendezvous import finish_process
 
     args = build_parser().parse_args(argv)
+    # A rank under torchrun, srun or mpirun exits at once (see finish_process).
+    return finish_process(_run_command(args))
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    from gradsync.signals import Stopped, stop_on_signals
+
     stop_on_signals()  # SIGTERM/SIGHUP end the job like Ctrl-C (exit 143/129)
     try:
         return COMMANDS[args.command](args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -31,6 +32,7 @@ from gradsync.topology import RankEnv
 KEY_PREFIX = "gradsync/rendezvous"
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun when its agent hosts the store
 _HOSTED_STORES: list[dist.Store] = []
+_joined = False  # this process joined a process group (it is a rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,10 +134,33 @@ def join_process_group(backend: str, env: RankEnv, timeout: timedelta) -> None:
     Example:
         >>> # join_process_group("gloo", env, timedelta(seconds=300))
     """
+    global _joined
     store = rendezvous(env, timeout)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
+    _joined = True
+
+
+def finish_process(code: int) -> int:
+    """``code``, or, in a process that joined a process group, exit with it at once.
+
+    A rank skips the interpreter's teardown. A Gloo worker thread may still be releasing its
+    last collective when the main thread moves on; dropping a C++ reference to a tensor
+    that Python also holds decrefs its Python object (torch 2.13's ``intrusive_ptr``), which
+    needs the GIL, and taking the GIL during teardown aborts the process (SIGABRT,
+    "terminate called without an active exception", seen on rank 1 right after the final
+    barrier). A rank's results are on disk before this point; its output is flushed here.
+
+    Example:
+        >>> finish_process(0)  # this process never joined a process group
+        0
+    """
+    if not _joined:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def listen_socket(master_addr: str, port: int) -> socket.socket:
@@ -215,4 +240,11 @@ def _get(store: dist.Store, key: str, env: RankEnv, timeout: timedelta) -> bytes
         ) from None
 
 
-__all__ = ["RankInfo", "check_resolves", "disagreement", "join_process_group", "rendezvous"]
+__all__ = [
+    "RankInfo",
+    "check_resolves",
+    "disagreement",
+    "finish_process",
+    "join_process_group",
+    "rendezvous",
+]

@@ -34,7 +34,7 @@ from gradsync.models.base import Workload
 from gradsync.optim import Updater, effective_lr
 from gradsync.probe import missing_on_any_worker, params_without_gradient
 from gradsync.progress import StepProgress
-from gradsync.rendezvous import join_process_group
+from gradsync.rendezvous import finish_process, join_process_group
 from gradsync.resume import checkpoint_step, restore, rng_tensors
 from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
@@ -389,6 +389,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(finish_process(main(sys.argv[1:])))
 
 __all__ = ["CHECKPOINT_FILE", "run_rank"]

@@ -188,6 +188,20 @@ def test_the_step_of_a_checkpoint_is_read_from_its_header_alone(tmp_path: Path) 
         assert checkpoint_step(tmp_path) == 9
 
 
+def test_a_rank_exits_with_its_code_and_output_but_without_the_interpreter_teardown() -> None:
+    # The teardown is where a Gloo thread releasing its last tensor aborts a rank.
+    script = (
+        "import atexit, sys\n"
+        "from gradsync import rendezvous\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "rendezvous._joined = True  # as join_process_group leaves it\n"
+        "print('results written', end='')\n"
+        "sys.exit(rendezvous.finish_process(3))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (3, "results written")
+
+
 # ---------------------------------------------------------------- bench identity and bounds
 
 
