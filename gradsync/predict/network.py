@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -150,9 +149,19 @@ class Cluster:
         n = self.workers
         if n == 1:
             return 0.0
+        return 2 * (n - 1) / n * num_bytes / self._ring_rate + 2 * (n - 1) * self.network.hop_s
+
+    def ring_allgather_s(self, num_bytes: float) -> float:
+        """One ring all_gather of ``num_bytes`` from each worker: n−1 hops of it."""
+        n = self.workers
+        if n == 1:
+            return 0.0
+        return (n - 1) * (num_bytes / self._ring_rate + self.network.hop_s)
+
+    @property
+    def _ring_rate(self) -> float:
         net = self.network
-        rate = net.intra_rate if self.num_hosts == 1 else min(net.rate, net.intra_rate)
-        return 2 * (n - 1) / n * num_bytes / rate + 2 * (n - 1) * net.hop_s
+        return net.intra_rate if self.num_hosts == 1 else min(net.rate, net.intra_rate)
 
     def remote_workers(self, server: int) -> int:
         """Workers whose messages to ``server`` cross its host's link."""
@@ -167,10 +176,14 @@ class Cluster:
 def calibrate(network: Network, commbench_path: str | Path) -> Network:
     """``network`` with latency and efficiency fitted to a ``gradsync commbench`` result.
 
-    A straight line ``t = a + b·S`` is fitted to the allreduce times of the run's n ranks;
-    the ring model makes ``a = 2(n−1)·α`` (α: the per-message cost, latency and software
-    overhead together) and ``b = 2(n−1)/n / (efficiency · bandwidth)``, the bandwidth being
-    the run's ``--bandwidth`` (the calibration keeps the measured share of it).
+    The ring model ``t = a + b·S`` of the run's n ranks has ``a = 2(n−1)·α`` (α: the
+    per-message cost, latency and software overhead together) and ``b = 2(n−1)/n /
+    (efficiency · bandwidth)``, the bandwidth being the run's ``--bandwidth`` (the
+    calibration keeps the measured share of it). ``b`` is the slope between the two largest
+    sizes (bandwidth-bound) and ``a`` what is left of the smallest size's time
+    (latency-bound): a least-squares line over sizes spanning 4 orders of magnitude would
+    let the large ones decide the intercept, and a blocking collective of a few bytes (a
+    BatchNorm sync) would cost nothing.
     """
     path = Path(commbench_path)
     try:
@@ -186,7 +199,7 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
         raise UserError(
             f"--calibrate {path}: needs allreduce times at two or more sizes on 2+ ranks"
         )
-    slope, intercept = _fit_line([r["bytes"] for r in rows], [r["time_s"] for r in rows])
+    slope, intercept = _two_regime_line([(r["bytes"], r["time_s"]) for r in rows])
     hop = max(0.0, intercept) / (2 * (n - 1))
     efficiency = network.efficiency
     if payload.get("bandwidth") and slope > 0:
@@ -195,12 +208,18 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     return replace(network, latency=0.0, message_s=hop, efficiency=efficiency)
 
 
-def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope and intercept."""
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
-    return slope, mean_y - slope * mean_x
+def _two_regime_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Slope between the two largest sizes; intercept from the smallest.
+
+    Example:
+        >>> _two_regime_line([(4, 3.0), (100, 4.0), (200, 5.0)])
+        (0.01, 2.96)
+    """
+    ordered = sorted(points)
+    (s1, t1), (s2, t2) = ordered[-2], ordered[-1]
+    slope = (t2 - t1) / (s2 - s1) if s2 > s1 else 0.0
+    smallest, time_s = ordered[0]
+    return slope, round(time_s - slope * smallest, 12)
 
 
 __all__ = ["Cluster", "Network", "calibrate", "parse_bandwidth", "parse_latency"]

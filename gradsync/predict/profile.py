@@ -99,12 +99,16 @@ class Profile:
     apply_s_per_byte: float
     layers: tuple[LayerProfile, ...]
     variables: tuple[VariableProfile, ...]
+    # Channels of each BatchNorm layer, in model order: with global BatchNorm (gradsync's
+    # default) each costs a blocking collective in forward and one in backward.
+    batchnorm_channels: tuple[int, ...] = ()
     host: str = ""
     torch_version: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "variables", tuple(self.variables))
+        object.__setattr__(self, "batchnorm_channels", tuple(self.batchnorm_channels))
 
     @property
     def compute_s(self) -> float:
@@ -325,9 +329,13 @@ def _measure(request: ProfileRequest) -> Profile:
             clock.watch_layers(layers.modules)
         clock.count_rows(params)
         clock.time(lambda: updater.update(), "optimizer")
+    from torch.nn.modules.batchnorm import _BatchNorm
+
     from gradsync.probe import sparse_lookup_weights
 
-    return _assemble(request, batch, clock, layers, params, sparse_lookup_weights(model))
+    profile = _assemble(request, batch, clock, layers, params, sparse_lookup_weights(model))
+    channels = tuple(m.num_features for m in model.modules() if isinstance(m, _BatchNorm))
+    return dataclasses.replace(profile, batchnorm_channels=channels)
 
 
 class _StepClock:

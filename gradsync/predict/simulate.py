@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -100,14 +101,19 @@ class StepPrediction:
         return max(0.0, self.step_s - self.compute_s)
 
 
-def predict_step(profile: Profile, cluster: Cluster, choice: StrategyChoice) -> StepPrediction:
-    """Simulate one steady-state step of ``choice`` on ``cluster``."""
+def predict_step(
+    profile: Profile, cluster: Cluster, choice: StrategyChoice, *, batchnorm: str = "global"
+) -> StepPrediction:
+    """Simulate one steady-state step of ``choice`` on ``cluster``; ``batchnorm`` as
+    ``gradsync train --batchnorm`` (global: every BatchNorm layer synchronizes the workers)."""
     try:
         simulator = SIMULATORS[choice.name]
     except KeyError:
         raise UserError(
             f"predict cannot model strategy '{choice.name}'; choose from: {', '.join(SIMULATORS)}"
         ) from None
+    if batchnorm == "global":
+        profile = with_batchnorm_sync(profile, cluster)
     step_s, spans, moved = simulator(profile, cluster, choice.options)
     return StepPrediction(
         choice=choice,
@@ -117,6 +123,42 @@ def predict_step(profile: Profile, cluster: Cluster, choice: StrategyChoice) -> 
         compute_s=profile.compute_s,
         bytes_per_worker=moved,
         spans=tuple(spans),
+    )
+
+
+def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
+    """``profile`` with global BatchNorm's blocking collectives added to the compute.
+
+    Each BatchNorm layer gathers its batch moments in forward (count, mean and variance
+    per channel: an all_gather) and sums two per-channel gradient terms in backward (an
+    allreduce, :mod:`gradsync.comm.batchnorm`). Both block the layer, so forward and
+    backward grow by their ring times; layer starts and gradient-ready times stretch in
+    proportion. One worker, or a model without BatchNorm, is unchanged.
+
+    Example:
+        >>> # with_batchnorm_sync(resnet_profile, Cluster(workers=4, network=...)).forward_s
+    """
+    if cluster.workers < 2 or not profile.batchnorm_channels:
+        return profile
+    element = profile.variables[0].element_size
+    gather = sum(
+        cluster.ring_allgather_s((2 * c + 1) * element) for c in profile.batchnorm_channels
+    )
+    reduce = sum(cluster.ring_allreduce_s(2 * c * element) for c in profile.batchnorm_channels)
+    stretch_forward = (profile.forward_s + gather) / max(profile.forward_s, 1e-12)
+    stretch_backward = (profile.backward_s + reduce) / max(profile.backward_s, 1e-12)
+    return dataclasses.replace(
+        profile,
+        forward_s=profile.forward_s + gather,
+        backward_s=profile.backward_s + reduce,
+        layers=tuple(
+            dataclasses.replace(layer, forward_start_s=layer.forward_start_s * stretch_forward)
+            for layer in profile.layers
+        ),
+        variables=tuple(
+            dataclasses.replace(v, grad_ready_s=v.grad_ready_s * stretch_backward)
+            for v in profile.variables
+        ),
     )
 
 

@@ -11,6 +11,7 @@ The file is a grid::
     steps = 12
     threads = 1
     recommend = true          # also measure what predict recommends per model × bandwidth
+    calibrate = true          # fit the network model to a commbench run per bandwidth
 
     [[model]]
     name = "transformer"
@@ -58,6 +59,9 @@ KEYS = {
     "profile_steps",
 }
 MODEL_KEYS = {"name", "preset", "options"}
+# Allreduce sizes the calibration times: a BatchNorm sync, a first bucket, fusion buckets,
+# a large layer.
+CALIBRATION_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +87,7 @@ class ValidationPlan:
     steps: int = 12
     threads: int = 1
     recommend: bool = False
-    calibrate: str | None = None
+    calibrate: bool | str = False  # true: commbench per bandwidth; a path: that commbench.json
     profile_steps: int = 8
 
 
@@ -153,10 +157,12 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     done = {c["id"]: c for c in _read_cells(log)}
     for model in plan.models:
         for bandwidth in plan.bandwidths:
+            if plan.calibrate is True:
+                _measure_calibration(plan, bandwidth, out)
             specs = list(plan.strategies)
             if plan.recommend:
                 profile = _profile(plan, model, out / "profiles" / f"{model.name}-{bandwidth}")
-                specs.append(_recommended(plan, profile, bandwidth))
+                specs.append(_recommended(plan, profile, bandwidth, out))
             for spec in dict.fromkeys(specs):
                 cell_id = f"{model.label}|{spec}|{bandwidth}"
                 if cell_id in done:
@@ -170,15 +176,17 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
                 with log.open("a") as handle:
                     handle.write(json.dumps(cell) + "\n")
                 print(_cell_line(cell), flush=True)
-    cells = [_repredict(plan, c) for c in done.values()]
+    cells = [_repredict(plan, c, out) for c in done.values()]
     return summarize(cells, out, plan)
 
 
-def _repredict(plan: ValidationPlan, cell: dict[str, Any]) -> dict[str, Any]:
+def _repredict(plan: ValidationPlan, cell: dict[str, Any], out: Path) -> dict[str, Any]:
     """``cell`` with its prediction recomputed from its stored profile."""
     profile = Profile.load(cell["profile"])
     choice = parse_choice(cell["strategy"], plan.workers)
-    predicted = predict_step(profile, cluster_for(plan, choice, cell["bandwidth"]), choice)
+    bandwidth = cell["bandwidth"]
+    cluster = cluster_for(plan, choice, bandwidth, _calibration(plan, bandwidth, out))
+    predicted = predict_step(profile, cluster, choice)
     cell = {**cell, "predicted": predicted.throughput, "predicted_step_s": predicted.step_s}
     if cell["status"] == "ok":
         cell["error"] = (predicted.throughput - cell["measured"]) / cell["measured"]
@@ -210,16 +218,53 @@ def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:
     return profile
 
 
-def cluster_for(plan: ValidationPlan, choice: StrategyChoice, bandwidth: str) -> Cluster:
+def _calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Path | None:
+    """The commbench.json the network model of ``bandwidth`` is fitted to, if any."""
+    if plan.calibrate is True:
+        return out / "calibration" / bandwidth / "commbench.json"
+    return Path(plan.calibrate) if plan.calibrate else None
+
+
+def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> None:
+    """Time allreduce at bucket-like sizes on the cells' emulated hosts (once per
+    bandwidth; a rerun keeps it): the per-message cost and the usable share of the link."""
+    from gradsync.commbench import CommbenchConfig, run_commbench
+    from gradsync.config import LaunchConfig
+
+    path = _calibration(plan, bandwidth, out)
+    assert path is not None
+    if path.is_file():
+        return
+    config = CommbenchConfig(
+        workers=plan.workers,
+        ops=("allreduce",),
+        sizes=CALIBRATION_SIZES,
+        warmup_iters=2,
+        iters=5,
+        time_budget_s=2.0,
+        out=str(path.parent),
+        launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
+    )
+    run_commbench(config, quiet=True)
+    print(f"calibration at {bandwidth}: {path}", flush=True)
+
+
+def cluster_for(
+    plan: ValidationPlan,
+    choice: StrategyChoice,
+    bandwidth: str,
+    calibration: Path | None = None,
+) -> Cluster:
     """The emulated cluster a cell runs on: ranks placed as ``gradsync train --hosts``
-    places them (workers first, then dedicated servers)."""
+    places them (workers first, then dedicated servers); its network fitted to
+    ``calibration`` (a commbench.json) when given."""
     from gradsync.config import TrainConfig
     from gradsync.netem import place_ranks
     from gradsync.strategies import strategy_class
 
     network = Network(bandwidth=parse_bandwidth(bandwidth))
-    if plan.calibrate:
-        network = calibrate(network, plan.calibrate)
+    if calibration is not None:
+        network = calibrate(network, calibration)
     config = TrainConfig(
         workers=plan.workers, strategy=choice.name, strategy_options=choice.options
     )
@@ -237,10 +282,15 @@ def cluster_for(plan: ValidationPlan, choice: StrategyChoice, bandwidth: str) ->
     )
 
 
-def _recommended(plan: ValidationPlan, profile: Profile, bandwidth: str) -> str:
+def _recommended(plan: ValidationPlan, profile: Profile, bandwidth: str, out: Path) -> str:
     names = [spec.split(":")[0] for spec in plan.strategies]
     # Each candidate on the hosts the launcher would put its ranks on (servers included).
-    placed = functools.partial(cluster_for, plan, bandwidth=bandwidth)
+    placed = functools.partial(
+        cluster_for,
+        plan,
+        bandwidth=bandwidth,
+        calibration=_calibration(plan, bandwidth, out),
+    )
     return recommend(profile, names, placed, bandwidth).best.choice.label()
 
 
@@ -258,7 +308,8 @@ def _run_cell(
     from gradsync.verify import cell_config
 
     choice = parse_choice(spec, plan.workers)
-    predicted = predict_step(profile, cluster_for(plan, choice, bandwidth), choice)
+    cluster = cluster_for(plan, choice, bandwidth, _calibration(plan, bandwidth, out))
+    predicted = predict_step(profile, cluster, choice)
     base = TrainConfig(
         model=model.name,
         preset=model.preset,
@@ -347,7 +398,7 @@ def recommendation_checks(
             path = out / "profiles" / f"{model.name}-{bandwidth}.json"
             if not path.is_file():
                 continue
-            label = _recommended(plan, Profile.load(path), bandwidth)
+            label = _recommended(plan, Profile.load(path), bandwidth, out)
             best = measured.get((model.label, bandwidth, label))
             default = measured.get((model.label, bandwidth, TrainConfig().strategy))
             if best is None or default is None:

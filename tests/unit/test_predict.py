@@ -158,3 +158,29 @@ def test_calibration_recovers_latency_and_efficiency(tmp_path) -> None:
     fitted = calibrate(Network(bandwidth=125e6), path)
     assert fitted.message_s == pytest.approx(hop)
     assert fitted.efficiency == pytest.approx(0.9)
+
+
+def test_global_batchnorm_adds_its_blocking_collectives_to_forward_and_backward() -> None:
+    import dataclasses
+
+    from gradsync.predict.simulate import with_batchnorm_sync
+
+    rate, hop, channels = 1e6, 1e-3, (10, 20)
+    base = profile_of([variable("w", 1000, 2.0)], forward=1.0, backward=2.0)
+    profile = dataclasses.replace(base, batchnorm_channels=channels)
+    for n in (2, 4):
+        cluster = Cluster(workers=n, network=Network(bandwidth=rate, latency=hop))
+        synced = with_batchnorm_sync(profile, cluster)
+        # forward: an all_gather of (count, mean, var) per layer; backward: an allreduce
+        gather = sum((n - 1) * ((2 * c + 1) * 4 / rate + hop) for c in channels)
+        reduce = sum(ring(n, 2 * c * 4, rate, hop) for c in channels)
+        assert synced.forward_s == pytest.approx(1.0 + gather)
+        assert synced.backward_s == pytest.approx(2.0 + reduce)
+        assert synced.variables[0].grad_ready_s == pytest.approx(2.0 + reduce)  # at the end
+        # No bytes to send: ddp's step is exactly the stretched compute plus its ring.
+        step = predict_step(profile, cluster, StrategyChoice("ddp")).step_s
+        assert step == pytest.approx(3.0 + gather + reduce + ring(n, 1001 * 4, rate, hop))
+        local = predict_step(profile, cluster, StrategyChoice("ddp"), batchnorm="local")
+        assert local.step_s == pytest.approx(3.0 + ring(n, 1001 * 4, rate, hop))
+    one = Cluster(workers=1, network=Network(bandwidth=rate, latency=hop))
+    assert with_batchnorm_sync(profile, one) == profile

@@ -128,3 +128,30 @@ def test_validation_plan_places_ranks_as_the_launcher_does(tmp_path: Path) -> No
         plan_file.write_text(bad)
         with pytest.raises(UserError, match=words):
             load_plan(plan_file)
+
+
+def test_a_calibrated_validation_fits_each_bandwidth_to_its_own_commbench(
+    tmp_path: Path,
+) -> None:
+    from gradsync.predict.sweep import parse_choice
+    from gradsync.predict.validate import _calibration, cluster_for, load_plan
+
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(
+        'strategies = ["ddp"]\nbandwidths = ["100mbit", "1gbit"]\ncalibrate = true\n'
+        '[[model]]\nname = "vgg16"\n'
+    )
+    plan = load_plan(plan_file)
+    for bandwidth, share in (("100mbit", 0.5), ("1gbit", 0.8)):
+        rate = share * (12.5e6 if bandwidth == "100mbit" else 125e6)
+        rows = [  # a 2-rank ring: 2 hops of 1 ms, then S / rate
+            {"op": "allreduce", "bytes": size, "time_s": 2e-3 + size / rate}
+            for size in (1 << 20, 1 << 24)
+        ]
+        path = _calibration(plan, bandwidth, tmp_path)
+        assert path is not None
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"world_size": 2, "bandwidth": bandwidth, "results": rows}))
+        network = cluster_for(plan, parse_choice("ddp"), bandwidth, path).network
+        assert network.efficiency == pytest.approx(share)
+        assert network.message_s == pytest.approx(1e-3)
