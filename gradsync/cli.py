@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gradsync import __version__
+from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import JobFailed, UserError
 from gradsync.options import add_option_flags
 
@@ -91,8 +92,8 @@ def _add_model_options(
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
         "--batchnorm",
-        choices=["global", "local"],
-        default="global",
+        choices=BATCHNORM_MODES,
+        default=TrainConfig.batchnorm,
         help="global (default): BatchNorm statistics over the global batch, as single "
         "computes them; local: each worker normalizes its own shard (DDP's and Horovod's "
         "default; verify reports it as an expected difference)",
@@ -309,7 +310,7 @@ def _add_predict_parsers(commands: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace, **overrides: object):
     """The TrainConfig of the command line; ``overrides`` set what the command decides."""
-    from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
+    from gradsync.config import LaunchConfig, OptimConfig
 
     launch = LaunchConfig(
         num_nodes=getattr(args, "nnodes", 1),

@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import UserError
 
 DEFAULT_STRATEGIES = "ddp,allreduce,ps,hybrid,p3"
@@ -102,6 +103,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         metavar="X",
         help="model workers X times faster than the profiled device (e.g. a GPU from a CPU "
         "profile): compute, optimizer and copies; server work stays as measured",
+    )
+    predict.add_argument(
+        "--batchnorm",
+        choices=BATCHNORM_MODES,
+        default=TrainConfig.batchnorm,
+        help="as in train: global (default) syncs the workers at every BatchNorm layer; "
+        "local does not",
     )
     predict.add_argument(
         "--no-recommend", dest="recommend", action="store_false", help="skip the knob search"
@@ -250,7 +258,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     refused: list[str] = []
     points = predict_grid(
-        profile, choices, workers=workers, networks=networks, base=base, refused=refused
+        profile,
+        choices,
+        workers=workers,
+        networks=networks,
+        base=base,
+        refused=refused,
+        batchnorm=args.batchnorm,
     )
     if not points:
         raise UserError(f"no configuration can be modelled: {refused[0]}")
@@ -261,7 +275,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
             cluster = Cluster(
                 workers=max(workers), network=network, ranks_per_host=args.ranks_per_host
             )
-            recommendations.append(recommend(profile, names, cluster, label))
+            recommendations.append(
+                recommend(profile, names, cluster, label, batchnorm=args.batchnorm)
+            )
     elapsed = time.perf_counter() - started
     out = Path(args.out or f"runs/predict-{time.strftime('%Y%m%d-%H%M%S')}")
     settings = {
@@ -272,6 +288,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         "ranks_per_host": args.ranks_per_host,
         "calibrate": args.calibrate,
         "compute_speedup": args.compute_speedup,
+        "batchnorm": args.batchnorm,
         "refused": refused,
         "predict_seconds": elapsed,
     }

@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.predict.network import Cluster
 from gradsync.predict.profile import Profile, VariableProfile
@@ -102,7 +103,11 @@ class StepPrediction:
 
 
 def predict_step(
-    profile: Profile, cluster: Cluster, choice: StrategyChoice, *, batchnorm: str = "global"
+    profile: Profile,
+    cluster: Cluster,
+    choice: StrategyChoice,
+    *,
+    batchnorm: str = TrainConfig.batchnorm,
 ) -> StepPrediction:
     """Simulate one steady-state step of ``choice`` on ``cluster``; ``batchnorm`` as
     ``gradsync train --batchnorm`` (global: every BatchNorm layer synchronizes the workers)."""

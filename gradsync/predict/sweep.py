@@ -69,10 +69,12 @@ def predict_grid(
     networks: Mapping[str, Network],
     base: Cluster | None = None,
     refused: list[str] | None = None,
+    batchnorm: str = TrainConfig.batchnorm,
 ) -> list[GridPoint]:
     """Every choice at every worker count on every network; ``base`` gives the host layout
     (ranks per host, explicit hosts), its worker count and network replaced per point.
-    A configuration gradsync would refuse is left out and described in ``refused``."""
+    A configuration gradsync would refuse is left out and described in ``refused``;
+    ``batchnorm`` is train's ``--batchnorm``."""
     refused = [] if refused is None else refused
     single = profile.batch / single_step_s(profile)
     points = []
@@ -81,7 +83,7 @@ def predict_grid(
             cluster = _cluster(base, count, network)
             for choice in choices:
                 try:
-                    prediction = predict_step(profile, cluster, choice)
+                    prediction = predict_step(profile, cluster, choice, batchnorm=batchnorm)
                 except UserError as error:  # gradsync would refuse it too (e.g. servers)
                     refused.append(f"{choice.label()} × {count} workers: {error}")
                     continue
@@ -162,13 +164,15 @@ def recommend(
     names: Sequence[str],
     cluster: Cluster | Callable[[StrategyChoice], Cluster],
     bandwidth: str,
+    *,
+    batchnorm: str = TrainConfig.batchnorm,
 ) -> Recommendation:
     """Try every candidate knob setting of each strategy in ``names`` on ``cluster`` (or on
     the cluster a function gives each setting: where its server ranks run)."""
     cluster_of = cluster if callable(cluster) else (lambda _choice: cluster)
 
     def predict(choice: StrategyChoice) -> StepPrediction:
-        return predict_step(profile, cluster_of(choice), choice)
+        return predict_step(profile, cluster_of(choice), choice, batchnorm=batchnorm)
 
     tried: list[StepPrediction] = []
     for name in dict.fromkeys(names):

@@ -155,3 +155,25 @@ def test_a_calibrated_validation_fits_each_bandwidth_to_its_own_commbench(
         network = cluster_for(plan, parse_choice("ddp"), bandwidth, path).network
         assert network.efficiency == pytest.approx(share)
         assert network.message_s == pytest.approx(1e-3)
+
+
+def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> None:
+    import dataclasses
+
+    path = tmp_path / "bn.json"
+    profile = profile_of([variable("w", 1000, 2.0)])
+    dataclasses.replace(profile, batchnorm_channels=(64,) * 20).save(path)
+    steps = {}
+    for mode in ("global", "local"):
+        out = tmp_path / mode
+        assert main(["predict", "--profile", str(path), "--strategies", "ddp", "--workers",
+                     "4", "--bandwidth", "1gbit", "--batchnorm", mode, "--no-recommend",
+                     "--out", str(out)]) == 0  # fmt: skip
+        payload = json.loads((out / "predictions.json").read_text())
+        assert payload["settings"]["batchnorm"] == mode
+        steps[mode] = payload["points"][0]["step_s"]
+    # 20 layers × (an all_gather of 129 floats in forward, an allreduce of 128 in backward)
+    hop, rate = 25e-6, 125e6
+    gather = 3 * (129 * 4 / rate + hop)
+    reduce = 2 * 3 / 4 * 128 * 4 / rate + 6 * hop
+    assert steps["global"] - steps["local"] == pytest.approx(20 * (gather + reduce), rel=1e-3)
