@@ -44,7 +44,7 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.predict.network import Cluster
 from gradsync.predict.profile import Profile, VariableProfile
-from gradsync.strategies.allreduce import AllreduceOptions, FusionOptions
+from gradsync.strategies.allreduce import AllreduceOptions
 from gradsync.strategies.hybrid import HybridOptions
 from gradsync.strategies.p3 import P3Options
 from gradsync.strategies.ps import PSOptions
@@ -176,8 +176,10 @@ def _bucketed_allreduce(
     variables: tuple[VariableProfile, ...],
     buckets: list[list[int]],
     wire_element_size: int | None = None,
+    sparse: tuple[VariableProfile, ...] = (),
 ) -> tuple[float, list[Span], float]:
-    """Buckets launched in order as their last gradient is ready, one ring at a time."""
+    """Buckets launched in order as their last gradient is ready, one ring at a time; then
+    the rows of ``sparse`` variables, allgathered (see :func:`_row_allgather`)."""
     spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
     backward_start = profile.forward_s
     shift = comm_free = last_launch = moved = 0.0
@@ -193,6 +195,14 @@ def _bucketed_allreduce(
         duration = cluster.ring_allreduce_s(num_bytes)
         spans.append(Span(COMM_TRACK, f"ALLREDUCE bucket{number}", start, duration))
         comm_free, last_launch, moved = start + duration, launch + fill, moved + num_bytes
+    ring_share = 2 * (cluster.workers - 1) / cluster.workers if cluster.workers > 1 else 0.0
+    moved *= ring_share
+    if sparse:
+        ready = backward_start + max(v.grad_ready_s for v in sparse) + shift
+        start = max(ready, last_launch, comm_free)
+        duration, sent = _row_allgather(cluster, sparse)
+        spans.append(Span(COMM_TRACK, "ALLGATHER sparse rows", start, duration))
+        comm_free, moved = start + duration, moved + sent
     backward_end = backward_start + profile.backward_s + shift
     spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, backward_end - backward_start))
     synced = max(backward_end, comm_free)
@@ -200,11 +210,25 @@ def _bucketed_allreduce(
         spans.append(Span(COMPUTE_TRACK, "COMM_WAIT", backward_end, comm_free - backward_end))
     dense_bytes = sum(v.num_bytes for v in variables)
     copy_out = dense_bytes * profile.copy_s_per_byte
-    update = dense_bytes * profile.optimizer_s_per_byte
+    update = (dense_bytes + sum(v.num_bytes for v in sparse)) * profile.optimizer_s_per_byte
     spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_FUSION_BUFFER", synced, copy_out))
     spans.append(Span(COMPUTE_TRACK, "OPTIMIZER_STEP", synced + copy_out, update))
-    ring_share = 2 * (cluster.workers - 1) / cluster.workers if cluster.workers > 1 else 0.0
-    return synced + copy_out + update, spans, moved * ring_share
+    return synced + copy_out + update, spans, moved
+
+
+def _row_allgather(cluster: Cluster, sparse: tuple[VariableProfile, ...]) -> tuple[float, float]:
+    """Seconds and bytes sent per worker to allgather the rows each worker touched of every
+    sparse variable: a row count, then the indices, then the rows (``allreduce``'s
+    :mod:`gradsync.comm.row_allgather`; DDP's sparse allreduce on Gloo moves the same)."""
+    seconds = sent = 0.0
+    for v in sparse:
+        seconds += (
+            cluster.ring_allgather_s(INDEX_BYTES)
+            + cluster.ring_allgather_s(v.rows_touched * INDEX_BYTES)
+            + cluster.ring_allgather_s(v.sparse_bytes)
+        )
+        sent += (cluster.workers - 1) * v.rows_touched * (v.row_bytes + INDEX_BYTES)
+    return seconds, sent
 
 
 def _meta_params(variables: tuple[VariableProfile, ...]) -> list[Any]:
@@ -216,16 +240,18 @@ def _meta_params(variables: tuple[VariableProfile, ...]) -> list[Any]:
 
 
 def simulate_allreduce(
-    profile: Profile, cluster: Cluster, options: FusionOptions | None
+    profile: Profile, cluster: Cluster, options: AllreduceOptions | None
 ) -> tuple[float, list[Span], float]:
     from gradsync.comm.fusion import plan_buckets
 
     options = options or AllreduceOptions()
-    variables = profile.variables
+    as_dense = options.sparse_as_dense  # Horovod's sparse_as_dense: rows go in the buckets
+    variables = profile.variables if as_dense else profile.dense_variables
+    sparse = () if as_dense else profile.sparse_variables
     threshold = int(options.fusion_threshold_mb * 2**20)
     buckets = plan_buckets(_meta_params(variables), threshold, options.first_bucket_bytes)
     wire = 2 if options.fp16_compression else None
-    return _bucketed_allreduce(profile, cluster, variables, buckets, wire)
+    return _bucketed_allreduce(profile, cluster, variables, buckets, wire, sparse)
 
 
 def ddp_bucket_caps() -> tuple[int, int]:
@@ -266,9 +292,11 @@ def plan_ddp_buckets(
 def simulate_ddp(
     profile: Profile, cluster: Cluster, options: Any = None
 ) -> tuple[float, list[Span], float]:
-    variables = profile.variables
+    # DDP reduces a sparse gradient on its own (Gloo allgathers its rows), not in a bucket.
+    variables, sparse = profile.dense_variables, profile.sparse_variables
     cap_mb = None if options is None else options.bucket_cap_mb
-    return _bucketed_allreduce(profile, cluster, variables, plan_ddp_buckets(variables, cap_mb))
+    buckets = plan_ddp_buckets(variables, cap_mb)
+    return _bucketed_allreduce(profile, cluster, variables, buckets, sparse=sparse)
 
 
 # -- parameter servers ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ The file is a grid::
     name = "transformer"
     preset = "default"
     options = {}
+    bandwidths = ["1gbit"]    # optional: this model at these only (default: the plan's)
 
 Every cell trains with ``gradsync train --hosts H --bandwidth B`` (its median samples/s
 after warm-up) and is predicted from a profile of the same model taken in this process at
@@ -58,7 +59,7 @@ KEYS = {
     "model",
     "profile_steps",
 }
-MODEL_KEYS = {"name", "preset", "options"}
+MODEL_KEYS = {"name", "preset", "options", "bandwidths"}
 # Allreduce sizes the calibration times: a BatchNorm sync, a first bucket, fusion buckets,
 # a large layer.
 CALIBRATION_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -69,6 +70,7 @@ class ModelEntry:
     name: str
     preset: str = "default"
     options: dict[str, str] = field(default_factory=dict)
+    bandwidths: tuple[str, ...] | None = None  # None: the plan's
 
     @property
     def label(self) -> str:
@@ -89,6 +91,10 @@ class ValidationPlan:
     recommend: bool = False
     calibrate: bool | str = False  # true: commbench per bandwidth; a path: that commbench.json
     profile_steps: int = 8
+
+    def bandwidths_of(self, model: ModelEntry) -> tuple[str, ...]:
+        """The bandwidths ``model`` is measured at: its own list, else the plan's."""
+        return model.bandwidths if model.bandwidths is not None else self.bandwidths
 
 
 def read_toml(path: Path, flag: str, keys: set[str], *, example: str) -> dict[str, Any]:
@@ -120,6 +126,7 @@ def load_plan(path: str | Path) -> ValidationPlan:
                 name=m["name"],
                 preset=m.get("preset", "default"),
                 options={k: str(v) for k, v in m.get("options", {}).items()},
+                bandwidths=tuple(m["bandwidths"]) if "bandwidths" in m else None,
             )
             for m in raw.get("model", [])
         )
@@ -136,7 +143,7 @@ def load_plan(path: str | Path) -> ValidationPlan:
         raise UserError(f'{path}: no [[model]] tables; add one with name = "transformer"')
     for spec in plan.strategies:
         parse_choice(spec, plan.workers)
-    for bandwidth in plan.bandwidths:
+    for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
         parse_bandwidth(bandwidth)
     return plan
 
@@ -156,7 +163,7 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     log = out / "cells.jsonl"
     done = {c["id"]: c for c in _read_cells(log)}
     for model in plan.models:
-        for bandwidth in plan.bandwidths:
+        for bandwidth in plan.bandwidths_of(model):
             if plan.calibrate is True:
                 _measure_calibration(plan, bandwidth, out)
             specs = list(plan.strategies)
@@ -394,7 +401,7 @@ def recommendation_checks(
     }
     checks = []
     for model in plan.models:
-        for bandwidth in plan.bandwidths:
+        for bandwidth in plan.bandwidths_of(model):
             path = out / "profiles" / f"{model.name}-{bandwidth}.json"
             if not path.is_file():
                 continue

@@ -184,3 +184,27 @@ def test_global_batchnorm_adds_its_blocking_collectives_to_forward_and_backward(
         assert local.step_s == pytest.approx(3.0 + ring(n, 1001 * 4, rate, hop))
     one = Cluster(workers=1, network=Network(bandwidth=rate, latency=hop))
     assert with_batchnorm_sync(profile, one) == profile
+
+
+def test_sparse_rows_are_allgathered_after_the_dense_buckets_not_reduced_densely() -> None:
+    import dataclasses
+
+    rate, hop, n = 1e6, 1e-3, 4
+    table = dataclasses.replace(  # 1000 rows of 10 floats; a step touches 50 of them
+        variable("emb", 10_000, 2.0), sparse=True, num_rows=1000, rows_touched=50.0
+    )
+    profile = profile_of([table, variable("w", 1000, 1.0)])
+    cluster = Cluster(workers=n, network=Network(bandwidth=rate, latency=hop))
+
+    def gather(num_bytes: float) -> float:
+        return (n - 1) * (num_bytes / rate + hop)
+
+    rows = gather(8) + gather(50 * 8) + gather(50 * 40)  # count, indices, rows
+    dense = ring(n, 1001 * 4, rate, hop)  # "w" and its flag, ready at 1 s: overlapped
+    for name in ("allreduce", "ddp"):
+        step = predict_step(profile, cluster, StrategyChoice(name)).step_s
+        assert step == pytest.approx(3.0 + rows), name  # the rows wait for backward's end
+    as_dense = StrategyChoice("allreduce", AllreduceOptions(sparse_as_dense=True))
+    step = predict_step(profile, cluster, as_dense).step_s
+    assert step == pytest.approx(3.0 + ring(n, (11_000 + 2) * 4, rate, hop))
+    assert dense < 1.0  # (the dense bucket alone finishes inside backward)
