@@ -177,3 +177,19 @@ def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> No
     gather = 3 * (129 * 4 / rate + hop)
     reduce = 2 * 3 / 4 * 128 * 4 / rate + 6 * hop
     assert steps["global"] - steps["local"] == pytest.approx(20 * (gather + reduce), rel=1e-3)
+
+
+def test_a_validation_model_may_list_its_own_bandwidths(tmp_path: Path) -> None:
+    from gradsync.errors import UserError
+    from gradsync.predict.validate import load_plan
+
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(
+        'strategies = ["ddp"]\nbandwidths = ["100mbit", "1gbit"]\n'
+        '[[model]]\nname = "vgg16"\n[[model]]\nname = "lstm-lm"\nbandwidths = ["1gbit"]\n'
+    )
+    plan = load_plan(plan_file)
+    assert [plan.bandwidths_of(m) for m in plan.models] == [("100mbit", "1gbit"), ("1gbit",)]
+    plan_file.write_text(plan_file.read_text().replace('["1gbit"]\n', '["1 gigabit"]\n'))
+    with pytest.raises(UserError, match="1 gigabit"):
+        load_plan(plan_file)
