@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -663,6 +664,9 @@ def _run_command(args: argparse.Namespace) -> int:
     except Stopped as stop:
         print(f"gradsync: stopped by {stop.name}; every rank was stopped", file=sys.stderr)
         return stop.exit_code
+    except Exception:  # a bug: its traceback, exit 1 (and a rank still exits at once)
+        traceback.print_exc()
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ store. So a cluster user meets these as one clear line instead of a hang or a tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -158,8 +159,9 @@ def finish_process(code: int) -> int:
     """
     if not _joined:
         return code
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, or a stream closed
+            stream.flush()
     os._exit(code)
 
 

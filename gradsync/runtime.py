@@ -99,9 +99,12 @@ def _train_and_record(
     if role == "server":  # a dedicated server: no model, no data, no trainer
         _serve(config, env, strategy, device, worker_group, timeline)
         return
-    run = _prepare_worker(config, env, strategy, device, worker_group, timeline, threads)
-    _train_with_metrics(run, strategy)
-    _finish_worker(run, strategy, timeline)
+    try:
+        run = _prepare_worker(config, env, strategy, device, worker_group, timeline, threads)
+        _train_with_metrics(run, strategy)
+        _finish_worker(run, strategy, timeline)
+    finally:
+        timeline.close()  # a failed or stopped rank's events reach the disk too (idempotent)
 
 
 @dataclass

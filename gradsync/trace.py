@@ -304,9 +304,10 @@ class RecordingTimeline(NullTimeline):
         self._file.close()
 
     def close(self) -> None:
-        """Flush and stop the writer thread."""
-        self._queue.put(None)
-        self._writer.join()
+        """Flush and stop the writer thread (a second call does nothing)."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
 
 
 def clock_offset_us(rank: int, world_size: int, group: Any = None) -> float:

@@ -134,11 +134,12 @@ def predict_step(
 def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
     """``profile`` with global BatchNorm's blocking collectives added to the compute.
 
-    Each BatchNorm layer gathers its batch moments in forward (count, mean and variance
-    per channel: an all_gather) and sums two per-channel gradient terms in backward (an
-    allreduce, :mod:`gradsync.comm.batchnorm`). Both block the layer, so forward and
-    backward grow by their ring times; layer starts and gradient-ready times stretch in
-    proportion. One worker, or a model without BatchNorm, is unchanged.
+    Each BatchNorm layer gathers its batch moments in forward (count, mean and M2 per
+    channel, in float64: an all_gather) and sums two per-channel gradient terms in the
+    model's dtype in backward (an allreduce, :mod:`gradsync.comm.batchnorm`). Both block
+    the layer, so forward and backward grow by their ring times; layer starts and
+    gradient-ready times stretch in proportion. One worker, or a model without BatchNorm,
+    is unchanged.
 
     Example:
         >>> # with_batchnorm_sync(resnet_profile, Cluster(workers=4, network=...)).forward_s
@@ -146,9 +147,7 @@ def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
     if cluster.workers < 2 or not profile.batchnorm_channels:
         return profile
     element = profile.variables[0].element_size
-    gather = sum(
-        cluster.ring_allgather_s((2 * c + 1) * element) for c in profile.batchnorm_channels
-    )
+    gather = sum(cluster.ring_allgather_s(3 * c * 8) for c in profile.batchnorm_channels)
     reduce = sum(cluster.ring_allreduce_s(2 * c * element) for c in profile.batchnorm_channels)
     stretch_forward = (profile.forward_s + gather) / max(profile.forward_s, 1e-12)
     stretch_backward = (profile.backward_s + reduce) / max(profile.backward_s, 1e-12)
@@ -177,6 +176,7 @@ def _bucketed_allreduce(
     buckets: list[list[int]],
     wire_element_size: int | None = None,
     sparse: tuple[VariableProfile, ...] = (),
+    sparse_per_variable: bool = False,
 ) -> tuple[float, list[Span], float]:
     """Buckets launched in order as their last gradient is ready, one ring at a time; then
     the rows of ``sparse`` variables, allgathered (see :func:`_row_allgather`)."""
@@ -200,7 +200,7 @@ def _bucketed_allreduce(
     if sparse:
         ready = backward_start + max(v.grad_ready_s for v in sparse) + shift
         start = max(ready, last_launch, comm_free)
-        duration, sent = _row_allgather(cluster, sparse)
+        duration, sent = _row_allgather(cluster, sparse, per_variable=sparse_per_variable)
         spans.append(Span(COMM_TRACK, "ALLGATHER sparse rows", start, duration))
         comm_free, moved = start + duration, moved + sent
     backward_end = backward_start + profile.backward_s + shift
@@ -216,19 +216,26 @@ def _bucketed_allreduce(
     return synced + copy_out + update, spans, moved
 
 
-def _row_allgather(cluster: Cluster, sparse: tuple[VariableProfile, ...]) -> tuple[float, float]:
-    """Seconds and bytes sent per worker to allgather the rows each worker touched of every
-    sparse variable: a row count, then the indices, then the rows (``allreduce``'s
-    :mod:`gradsync.comm.row_allgather`; DDP's sparse allreduce on Gloo moves the same)."""
-    seconds = sent = 0.0
-    for v in sparse:
-        seconds += (
+def _row_allgather(
+    cluster: Cluster, sparse: tuple[VariableProfile, ...], *, per_variable: bool
+) -> tuple[float, float]:
+    """Seconds and bytes sent per worker to allgather the rows each worker touched of the
+    sparse variables. ``allreduce`` (:mod:`gradsync.comm.row_allgather`) runs two
+    collectives for all of them: the row counts, then one buffer of every variable's int64
+    indices and rows. DDP's sparse allreduce on Gloo (``per_variable``) runs three per
+    variable: its row count, its indices, its rows. The bytes are the same."""
+    rows = [v.rows_touched * (v.row_bytes + INDEX_BYTES) for v in sparse]
+    if per_variable:
+        seconds = sum(
             cluster.ring_allgather_s(INDEX_BYTES)
             + cluster.ring_allgather_s(v.rows_touched * INDEX_BYTES)
             + cluster.ring_allgather_s(v.sparse_bytes)
+            for v in sparse
         )
-        sent += (cluster.workers - 1) * v.rows_touched * (v.row_bytes + INDEX_BYTES)
-    return seconds, sent
+    else:
+        counts = 2 * len(sparse) * INDEX_BYTES  # a row count and a had-a-gradient flag each
+        seconds = cluster.ring_allgather_s(counts) + cluster.ring_allgather_s(sum(rows))
+    return seconds, (cluster.workers - 1) * sum(rows)
 
 
 def _meta_params(variables: tuple[VariableProfile, ...]) -> list[Any]:
@@ -296,7 +303,9 @@ def simulate_ddp(
     variables, sparse = profile.dense_variables, profile.sparse_variables
     cap_mb = None if options is None else options.bucket_cap_mb
     buckets = plan_ddp_buckets(variables, cap_mb)
-    return _bucketed_allreduce(profile, cluster, variables, buckets, sparse=sparse)
+    return _bucketed_allreduce(
+        profile, cluster, variables, buckets, sparse=sparse, sparse_per_variable=True
+    )
 
 
 # -- parameter servers ---------------------------------------------------------------------

@@ -141,11 +141,23 @@ def load_plan(path: str | Path) -> ValidationPlan:
         raise UserError(f"{path}: missing or malformed key {error}") from None
     if not plan.models:
         raise UserError(f'{path}: no [[model]] tables; add one with name = "transformer"')
+    _check_calibrate(plan.calibrate, path)
     for spec in plan.strategies:
         parse_choice(spec, plan.workers)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
         parse_bandwidth(bandwidth)
     return plan
+
+
+def _check_calibrate(value: object, path: Path) -> None:
+    """``calibrate`` is true/false or the path of an existing commbench.json."""
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, str) or not Path(value).is_file():
+        raise UserError(
+            f"{path}: calibrate = {value!r} is neither true/false nor an existing "
+            "commbench.json; write calibrate = true to measure one per bandwidth"
+        )
 
 
 def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:

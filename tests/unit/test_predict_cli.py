@@ -172,9 +172,10 @@ def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> No
         payload = json.loads((out / "predictions.json").read_text())
         assert payload["settings"]["batchnorm"] == mode
         steps[mode] = payload["points"][0]["step_s"]
-    # 20 layers × (an all_gather of 129 floats in forward, an allreduce of 128 in backward)
+    # 20 layers × (an all_gather of 3 × 64 float64 moments in forward, an allreduce of
+    # 2 × 64 float32 sums in backward)
     hop, rate = 25e-6, 125e6
-    gather = 3 * (129 * 4 / rate + hop)
+    gather = 3 * (3 * 64 * 8 / rate + hop)
     reduce = 2 * 3 / 4 * 128 * 4 / rate + 6 * hop
     assert steps["global"] - steps["local"] == pytest.approx(20 * (gather + reduce), rel=1e-3)
 
@@ -190,6 +191,11 @@ def test_a_validation_model_may_list_its_own_bandwidths(tmp_path: Path) -> None:
     )
     plan = load_plan(plan_file)
     assert [plan.bandwidths_of(m) for m in plan.models] == [("100mbit", "1gbit"), ("1gbit",)]
-    plan_file.write_text(plan_file.read_text().replace('["1gbit"]\n', '["1 gigabit"]\n'))
+    text = plan_file.read_text()
+    plan_file.write_text(text.replace('["1gbit"]\n', '["1 gigabit"]\n'))
     with pytest.raises(UserError, match="1 gigabit"):
         load_plan(plan_file)
+    for bad in ('"true"', "1"):  # a string is a path; a number is neither
+        plan_file.write_text(f"calibrate = {bad}\n" + text)
+        with pytest.raises(UserError, match="calibrate = "):
+            load_plan(plan_file)
