@@ -11,6 +11,15 @@ and pulls their fresh values before the next forward (:mod:`gradsync.comm.pushpu
   parameters up to reduction order. ``--async``: each push applied on arrival.
   ``--staleness k``: asynchronous, but no worker more than k steps ahead of the slowest.
 
+Pushes overlap backward, as TF's per-variable sends do: a server's variables are laid out
+in the order backward produces their gradients (last layer first) and grouped into chunks
+of ``--push-chunk-mb``; a ``post_accumulate_grad`` hook pushes a chunk the moment its last
+gradient is complete, and each chunk's answer comes back as soon as its server has applied
+it. Chunks leave in a fixed order (a chunk waits for the ones before it on its server), so
+every worker's pushes arrive in the same order; a chunk whose variable got no gradient in
+this backward leaves after backward with its flag down. ``--no-overlap`` pushes one message
+per server after backward.
+
 Sparse gradients (``lstm-lm sparse=true``) are densified before the push; the sparse path
 is the ``hybrid`` strategy's.
 """
@@ -25,10 +34,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.comm.placement import POLICIES, Placement, Variable, plan_placement
-from gradsync.comm.pushpull import Client, DenseServer, dense_reader
+from gradsync.comm.pushpull import Chunk, Client, DenseServer, chunk_reader, plan_chunks
 from gradsync.comm.server import (
     ColocatedServer,
-    Piece,
     ServerMetrics,
     ShardState,
     adopt_initial,
@@ -68,6 +76,15 @@ class PSOptions(ServerOptions):
     )
     partition_threshold_mb: float = option(
         4.0, help="variables larger than this are split across servers", metavar="MB", above=0
+    )
+    overlap: bool = option(
+        True, help="push each chunk of gradients as soon as backward has produced it"
+    )
+    push_chunk_mb: float = option(
+        4.0,
+        help="gradients per push message, per server (0: one push per variable)",
+        metavar="MB",
+        at_least=0,
     )
 
     @property
@@ -131,9 +148,21 @@ class ParameterServer(ServerStrategy):
                 f"{where}):\n{self.placement.describe()}",
                 flush=True,
             )
+        ready_order = {name: -index for index, name in enumerate(initial)}  # last layer first
         self.pieces = [
-            lay_out([(p.name, p.start, p.stop) for p in self.placement.on_server(s)])
+            lay_out(
+                [
+                    (p.name, p.start, p.stop)
+                    for p in sorted(
+                        self.placement.on_server(s), key=lambda p: (ready_order[p.name], p.start)
+                    )
+                ]
+            )
             for s in range(self.num_servers)
+        ]
+        chunk_values = _chunk_values(options, initial)
+        self.chunks = [
+            plan_chunks([p.numel for p in pieces], chunk_values) for pieces in self.pieces
         ]
         return initial
 
@@ -152,7 +181,7 @@ class ParameterServer(ServerStrategy):
             local_worker=local_worker,
             group=self.group,
             timeout_s=config.launch.timeout_s,
-            read_body=dense_reader(push_size(pieces)),
+            read_body=chunk_reader(self.chunks[server]),
             deliver_local=None if local_worker is None else self._local_replies.put,
         )
         policy = DenseServer(
@@ -164,6 +193,7 @@ class ParameterServer(ServerStrategy):
             num_workers=workers,
             synchronous=self.is_synchronous(config),
             staleness=config.strategy_options.staleness,
+            chunks=self.chunks[server],
             timeline=context.timeline,
             track=f"server {server}",
         )
@@ -183,8 +213,7 @@ class ParameterServer(ServerStrategy):
         adopt_initial(self.params, initial)
         self.client = Client(
             worker=context.worker_index,
-            sizes=[sum(p.numel for p in pieces) for pieces in self.pieces],
-            push_sizes=[push_size(pieces) for pieces in self.pieces],
+            chunks=self.chunks,
             servers=[
                 None if context.config.strategy_options.colocate and r == context.rank else r
                 for r in self.server_ranks
@@ -199,24 +228,74 @@ class ParameterServer(ServerStrategy):
         if context.config.strategy_options.colocate:
             self.client.local_inbox, self._colocated = self._start_colocated(context, initial)
         self._step = 0
+        self._watch_gradients(context.config.strategy_options.overlap)
         return model
+
+    def _watch_gradients(self, overlap: bool) -> None:
+        """Per chunk, the variables it waits for; with ``overlap``, a hook per variable."""
+        self._waits_for: list[list[set[str]]] = [
+            [{p.name for p in pieces[c.first_slot : c.stop_slot]} for c in chunks]
+            for pieces, chunks in zip(self.pieces, self.chunks, strict=True)
+        ]
+        self._chunks_of: dict[str, list[tuple[int, int]]] = {}
+        for server, chunk_names in enumerate(self._waits_for):
+            for index, names in enumerate(chunk_names):
+                for name in names:
+                    self._chunks_of.setdefault(name, []).append((server, index))
+        self._new_step()
+        if overlap:
+            for name in self._chunks_of:
+                self.params[name].register_post_accumulate_grad_hook(
+                    lambda _, name=name: self._on_gradient(name)
+                )
+
+    def _new_step(self) -> None:
+        self._begun = False
+        self._missing = [[set(names) for names in chunks] for chunks in self._waits_for]
+        self._next_push = [0] * self.num_servers
+        self._grads: dict[str, Tensor] = {}
+
+    def _on_gradient(self, name: str) -> None:
+        """``name``'s gradient is complete: push every chunk now ready, in chunk order."""
+        for server, index in self._chunks_of[name]:
+            self._missing[server][index].discard(name)
+            while self._next_is_complete(server):
+                self._push(server)
+
+    def _next_is_complete(self, server: int) -> bool:
+        """Whether server ``server``'s next chunk exists and has all its gradients."""
+        index = self._next_push[server]
+        return index < len(self.chunks[server]) and not self._missing[server][index]
+
+    def _push(self, server: int) -> None:
+        """Fill and push server ``server``'s next chunk (flags: which slots had a gradient)."""
+        if not self._begun:
+            self.client.begin(self._step)  # lazily: checkpoint requests between steps
+            self._begun = True
+        index = self._next_push[server]
+        self._next_push[server] += 1
+        chunk: Chunk = self.chunks[server][index]
+        payload = self.client.push_buffers[server][index]
+        pieces = self.pieces[server][chunk.first_slot : chunk.stop_slot]
+        with torch.no_grad():
+            for slot, piece in enumerate(pieces):
+                if piece.name not in self._grads:
+                    self._grads[piece.name] = _dense_grad(self.params[piece.name])
+                start = piece.offset - chunk.start
+                payload[start : start + piece.numel].copy_(
+                    self._grads[piece.name][piece.start : piece.stop]
+                )
+                payload[chunk.numel + slot] = self.params[piece.name].grad is not None
+        self.client.push(server, index)
 
     def step(self) -> None:
         started = time.perf_counter()
-        grads: dict[str, Tensor] = {}
-        for server, pieces in enumerate(self.pieces):
-            payload = self.client.push_buffers[server]
-            flags = payload[state_size(pieces) :]  # one had-a-gradient flag per piece
-            for index, piece in enumerate(pieces):
-                if piece.name not in grads:
-                    grads[piece.name] = _dense_grad(self.params[piece.name])
-                payload[piece.offset : piece.offset + piece.numel].copy_(
-                    grads[piece.name][piece.start : piece.stop]
-                )
-                flags[index] = self.params[piece.name].grad is not None
+        for server, chunks in enumerate(self.chunks):  # what backward did not complete
+            while self._next_push[server] < len(chunks):
+                self._push(server)
         # Sync point: every server has answered with the values for the next forward.
         with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="push/pull"):
-            sent, received = self.client.push_pull(self._step)
+            sent, received = self.client.finish()
         with torch.no_grad():
             for server, pieces in enumerate(self.pieces):
                 values = self.client.pull_buffers[server]
@@ -228,6 +307,7 @@ class ParameterServer(ServerStrategy):
         for param in self.params.values():
             param.grad = None
         self._step += 1
+        self._new_step()
         self.counters.bytes_sent += sent
         self.counters.bytes_recv += received
         self.counters.exposed_comm_s += time.perf_counter() - started
@@ -264,13 +344,12 @@ def _plan(config: TrainConfig, params: dict[str, Tensor]) -> Placement:
         raise UserError(f"model '{config.model}' ({config.preset}): {error}") from None
 
 
-def state_size(pieces: list[Piece]) -> int:
-    return sum(p.numel for p in pieces)
-
-
-def push_size(pieces: list[Piece]) -> int:
-    """A push carries the pieces' gradients, then one had-a-gradient flag per piece."""
-    return state_size(pieces) + len(pieces)
+def _chunk_values(options: PSOptions, initial: dict[str, Tensor]) -> int | None:
+    """Values per push chunk: None (one chunk per server) without overlap."""
+    if not options.overlap:
+        return None
+    element = next(iter(initial.values())).element_size() if initial else 4
+    return int(options.push_chunk_mb * 2**20) // element
 
 
 def _dense_grad(param: nn.Parameter) -> Tensor:

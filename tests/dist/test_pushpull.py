@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.pushpull import Client, DenseServer, dense_reader
+from gradsync.comm.pushpull import Client, DenseServer, chunk_reader, plan_chunks
 from gradsync.comm.server import ColocatedServer, ServerMetrics, ShardState, serve
 from gradsync.comm.wire import HEADER, TAG_REPLY, Inbox, Outbox
 from gradsync.config import OptimConfig
@@ -22,7 +22,10 @@ def _server(
     local_worker = None if local is None else local[0]
     remote = {w: w for w in range(workers) if w != local_worker}
     inbox = Inbox(
-        remote=remote.values(), group=None, timeout_s=20, read_body=dense_reader(size + 1)
+        remote=remote.values(),
+        group=None,
+        timeout_s=20,
+        read_body=chunk_reader(plan_chunks([size], None)),
     )
     outbox = Outbox(
         ranks=remote,
@@ -54,11 +57,11 @@ def _dedicated(rank: int, world_size: int, synchronous: bool) -> list:
         rounds = [(r.step, r.bytes_recv, r.bytes_sent) for r in records]
         return [rounds, policy.state.values.tolist()]  # after every worker's DONE
     client = Client(
-        worker=rank, sizes=[size], push_sizes=[size + 1], servers=[2], group=None, timeout_s=20
+        worker=rank, chunks=[plan_chunks([size], None)], servers=[2], group=None, timeout_s=20
     )
     pulled = []
     for step in range(3):
-        client.push_buffers[0][:] = float(rank + 1)  # k+1 everywhere; the flag > 0
+        client.push_buffers[0][0][:] = float(rank + 1)  # k+1 everywhere; the flag > 0
         client.push_pull(step)
         pulled.append(client.pull_buffers[0].tolist())
     state = client.request_state() if rank == 0 else None
@@ -91,8 +94,7 @@ def _colocated(rank: int, world_size: int) -> list:
     """Two ranks, each a worker and the server of a 2-value shard (its own through a queue)."""
     client = Client(
         worker=rank,
-        sizes=[2, 2],
-        push_sizes=[3, 3],
+        chunks=[plan_chunks([2], None)] * 2,
         servers=[None if s == rank else s for s in range(2)],
         group=None,
         timeout_s=20,
@@ -101,7 +103,7 @@ def _colocated(rank: int, world_size: int) -> list:
     client.local_inbox = inbox
     server = ColocatedServer(lambda: serve(inbox, policy, num_workers=2), name="test server")
     client.alive = server.alive
-    for buffer in client.push_buffers:
+    for (buffer,) in client.push_buffers:
         buffer[:] = float(rank * 2 + 2)  # 2 and 4: mean 3
     sent, received = client.push_pull(0)
     client.done()
@@ -124,10 +126,12 @@ def _loaded(rank: int, world_size: int) -> list:
         inbox, policy, _ = _server(2, None, 3)
         serve(inbox, policy, num_workers=2)
         return []
-    client = Client(worker=rank, sizes=[3], push_sizes=[4], servers=[2], group=None, timeout_s=20)
+    client = Client(
+        worker=rank, chunks=[plan_chunks([3], None)], servers=[2], group=None, timeout_s=20
+    )
     if rank == 0:
         client.load_state([{"values": torch.full((3,), 5.0)}], 0)  # returns once acknowledged
-    client.push_buffers[0][:] = 1.0
+    client.push_buffers[0][0][:] = 1.0
     client.push_pull(0)
     state = client.request_state() if rank == 0 else None
     client.done()

@@ -19,6 +19,7 @@ from tests.e2e.conftest import REPO, gradsync, verify_outcomes
 pytestmark = pytest.mark.slow
 
 SYNCHRONOUS = "ddp,allreduce,ps,ps:colocate,hybrid,p3"
+PER_VARIABLE_PUSHES = "ps:push_chunk_mb=0,ps:colocate:push_chunk_mb=0"  # overlap, one push each
 ZOO = ["transformer", "lstm-lm", "resnet56", "vgg16", "mnist-cnn"]  # the P3 models: own file
 ADVERSARIAL = REPO / "tests" / "models" / "adversarial.py"
 
@@ -93,6 +94,7 @@ def test_dense_adversary_matches_single(workdir: Path) -> None:
         "16",
         "--weight-decay",
         "0.01",
+        strategies=f"{SYNCHRONOUS},{PER_VARIABLE_PUSHES}",
     )
     log = (workdir / "verify" / "ddp-w2" / "stdout.log").read_text()
     assert "find_unused_parameters=True" in log and "never_used" in log
@@ -111,7 +113,7 @@ def test_sparse_adversary_matches_single(workdir: Path) -> None:
         "--global-batch",
         "16",
         strategies="allreduce,allreduce:sparse_as_dense=true,ps,ps:colocate,hybrid,"
-        "hybrid:colocate,p3",
+        f"hybrid:colocate,p3,{PER_VARIABLE_PUSHES}",
     )
     log = (workdir / "verify" / "hybrid-w2" / "stdout.log").read_text()
     assert "tied.weight [12×8]: dense" in log and "lookup.weight [12×8]: sparse" in log

@@ -132,3 +132,32 @@ def test_summarize_rejects_a_non_trace(workdir: Path) -> None:
     (workdir / "x.json").write_text("{}")
     result = gradsync("timeline", "summarize", "x.json", cwd=workdir)
     assert result.returncode == 2 and "not a gradsync Chrome-trace" in result.stderr
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ps_pushes_leave_while_backward_runs(overlap: bool, workdir: Path) -> None:
+    """With overlap, a variable's push starts from its gradient hook, inside backward; with
+    --no-overlap every push waits until backward has returned."""
+    trace_path = workdir / "trace.json"
+    result = gradsync(
+        "train",
+        *("--model", "mnist-cnn", "--preset", "tiny", "--strategy", "ps", "--workers", "2"),
+        *("--push-chunk-mb", "0", "--steps", "4", "--timeline", str(trace_path)),
+        *("--timeline-steps", "1:3", "--out", "run"),
+        *([] if overlap else ["--no-overlap"]),
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr
+    events = [e for e in _check_trace(trace_path, range(1, 3))["traceEvents"] if e["ph"] != "M"]
+    rank0 = min(e["pid"] for e in events)
+    backward = defaultdict(list)  # step → [begin, end] on rank 0
+    current = None
+    for event in (e for e in events if e["pid"] == rank0 and e["name"] == "BACKWARD"):
+        current = event["args"]["step"] if event["ph"] == "B" else current
+        backward[current].append(event["ts"])
+    pushes = [e for e in events if e["pid"] == rank0 and e["name"] == "PUSH" and e["ph"] == "B"]
+    for step, (begin, end) in backward.items():
+        inside = [p for p in pushes if p["args"]["step"] == step and begin <= p["ts"] <= end]
+        chunks = [p for p in pushes if p["args"]["step"] == step]
+        assert len(chunks) >= 4 if overlap else len(chunks) == 1  # per variable; per server
+        assert len(inside) == (len(chunks) if overlap else 0), (step, len(inside))

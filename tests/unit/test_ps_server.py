@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.comm.pushpull import DenseServer
+from gradsync.comm.pushpull import DenseServer, plan_chunks
 from gradsync.comm.server import ServerMetrics, ShardState, split_variable
 from gradsync.comm.wire import Header, Kind, Message
 from gradsync.config import OptimConfig
@@ -15,9 +15,11 @@ from gradsync.optim import Updater
 class FakeOutbox:
     def __init__(self) -> None:
         self.sent: list[tuple[int, int]] = []  # (worker, step applied)
+        self.replies: list[tuple[int, int, int, list[float]]] = []  # (worker, step, chunk, values)
 
     def send(self, worker: int, header: Header, tensors: list[torch.Tensor]) -> int:
         self.sent.append((worker, header.step))
+        self.replies.append((worker, header.step, header.index, tensors[0].tolist()))
         return sum(t.numel() * 8 for t in tensors)
 
     def flush(self) -> None:
@@ -39,12 +41,15 @@ def _server(state: ShardState, outbox: FakeOutbox, workers: int, **rule) -> Dens
     return server
 
 
-def _push(server: DenseServer, worker: int, step: int, grad: list[float], flags=(1.0,)) -> None:
-    """A push of one slot's gradient followed by its had-a-gradient flag(s), counted as the
+def _push(
+    server: DenseServer, worker: int, step: int, grad: list[float], flags=(1.0,), chunk: int = 0
+) -> None:
+    """A push of a chunk's gradients followed by its had-a-gradient flag(s), counted as the
     server loop counts it."""
     payload = torch.tensor([*grad, *flags])
     server.metrics.tally(step).pushes += 1
-    server.on_push(Message(Header(Kind.PUSH, worker=worker, step=step), [payload], 64))
+    header = Header(Kind.PUSH, worker=worker, step=step, index=chunk)
+    server.on_push(Message(header, [payload], 64))
 
 
 def test_sync_rounds_average_all_workers_then_answer_everyone() -> None:
@@ -152,3 +157,44 @@ def test_split_variable_inverts_assembly() -> None:
     again = assemble_checkpoint(model, pieces, states)
     for key, value in ckpt.items():
         assert torch.equal(again[key], value), key
+
+
+def _chunked(workers: int, **rule) -> tuple[ShardState, FakeOutbox, DenseServer]:
+    """A server of slots [1, 2] cut into two chunks, one slot each."""
+    state, outbox = _momentum_state([1, 2]), FakeOutbox()
+    server = _server(state, outbox, workers, chunks=plan_chunks([1, 2], 1), **rule)
+    return state, outbox, server
+
+
+def test_each_chunk_is_applied_and_answered_as_soon_as_every_worker_pushed_it() -> None:
+    state, outbox, server = _chunked(2, synchronous=True)
+    reference = _momentum_state([1, 2])
+    reference.apply(torch.tensor([2.0, 3.0, 3.0]), step=0)  # the whole step at once
+    _push(server, 0, 0, [2.0], chunk=0)
+    _push(server, 1, 0, [2.0], chunk=0)
+    assert [(w, i) for w, _, i, _ in outbox.replies] == [(0, 0), (1, 0)]  # chunk 1 not yet
+    assert outbox.replies[0][3] == reference.values[:1].tolist()
+    assert torch.equal(state.values[1:], torch.ones(2))  # chunk 1 untouched so far
+    assert server.records == []  # type: ignore[attr-defined]
+    _push(server, 0, 0, [3.0, 3.0], chunk=1)
+    _push(server, 1, 0, [3.0, 3.0], chunk=1)
+    assert outbox.replies[2][2:] == (1, reference.values[1:].tolist())
+    assert torch.equal(state.values, reference.values)  # chunks = one whole step
+    assert [r.step for r in server.records] == [0]  # type: ignore[attr-defined]
+
+
+def test_a_workers_clock_advances_with_its_last_chunk_only() -> None:
+    """SSP counts steps, not chunks: worker 0's step 1 is held only once it finished step 0
+    entirely and is 2 steps ahead of a worker still in step 0."""
+    _, outbox, server = _chunked(2, synchronous=False, staleness=1)
+    _push(server, 0, 0, [1.0], chunk=0)
+    assert server.clocks == [0, 0]
+    _push(server, 0, 0, [1.0, 1.0], chunk=1)
+    assert server.clocks == [1, 0]
+    assert [(s, i) for _, s, i, _ in outbox.replies] == [(0, 0), (0, 1)]
+    _push(server, 0, 1, [1.0], chunk=0)  # step 2 would be 2 ahead of worker 1: held
+    assert len(outbox.replies) == 2
+    _push(server, 1, 0, [1.0], chunk=0)  # answered; worker 1 is still in step 0
+    assert [(w, s, i) for w, s, i, _ in outbox.replies[2:]] == [(1, 0, 0)]
+    _push(server, 1, 0, [1.0, 1.0], chunk=1)  # worker 1 done with step 0: release
+    assert [(w, s, i) for w, s, i, _ in outbox.replies[3:]] == [(0, 1, 0), (1, 0, 1)]
