@@ -10,9 +10,11 @@ functions, so a knob means the same thing here as in ``gradsync train``:
 - ``ddp``: the same ordered launch over torch's buckets: rebuilt after the first step in
   gradient-ready order, the first capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MB),
   the rest at DDP's default cap (25 MB).
-- ``ps``: after backward, gradients are copied to push buffers, pushed to the servers that
-  own their partitions (:func:`gradsync.comm.placement.plan_placement`), aggregated and
-  applied there, and pulled back before the next forward. Asynchronous modes drop the
+- ``ps``: each server's partitions (:func:`gradsync.comm.placement.plan_placement`) in
+  gradient-ready order, cut into push chunks (:func:`gradsync.comm.pushpull.plan_chunks`);
+  a chunk is copied into its buffer and pushed when its last gradient is ready (after
+  backward with ``--no-overlap``), over per-host links; its server aggregates and applies
+  it and answers; the next forward waits for every answer. Asynchronous modes drop the
   barrier: a step is then bound by its own round trip or by the busiest resource.
 - ``hybrid``: dense variables as ``allreduce``; sparse rows pushed after the dense update to
   partitioned servers (one pusher per host with local aggregation) and pulled by the next
@@ -338,17 +340,52 @@ def _with_layout(cluster: Cluster, servers: int, *, colocate: bool) -> Cluster:
     return cluster.with_servers(servers, colocate=colocate)
 
 
-def _ps_placement_bytes(profile: Profile, servers: int, options: PSOptions) -> list[float]:
+def _ps_placement(profile: Profile, servers: int, options: PSOptions) -> Any:
     from gradsync.comm.placement import Variable, plan_placement
 
     variables = [Variable(v.name, v.numel, v.element_size) for v in profile.variables]
-    placement = plan_placement(
+    return plan_placement(
         variables,
         num_servers=servers,
         policy=options.placement,
         threshold_bytes=int(options.partition_threshold_mb * 2**20),
     )
-    return [float(b) for b in placement.bytes_per_server()]
+
+
+@dataclass(frozen=True)
+class _PushChunk:
+    """One ps push message: its server, bytes and when its last gradient is ready."""
+
+    server: int
+    index: int
+    num_bytes: float
+    ready_s: float  # from the start of backward
+
+
+def plan_ps_chunks(profile: Profile, servers: int, options: PSOptions) -> list[_PushChunk]:
+    """The chunks ``ps`` pushes, planned as its workers plan them: each server's pieces in
+    gradient-ready order (last layer first), cut by :func:`~gradsync.comm.pushpull.
+    plan_chunks`; a chunk leaves after the one before it on its server."""
+    from gradsync.comm.pushpull import plan_chunks
+
+    variables = {v.name: v for v in profile.variables}
+    order = {v.name: -index for index, v in enumerate(profile.variables)}
+    element = profile.variables[0].element_size if profile.variables else 4
+    chunk_values = int(options.push_chunk_mb * 2**20) // element if options.overlap else None
+    placement = _ps_placement(profile, servers, options)
+    chunks = []
+    for server in range(servers):
+        pieces = sorted(placement.on_server(server), key=lambda p: (order[p.name], p.start))
+        ready = 0.0
+        plan = plan_chunks([p.numel for p in pieces], chunk_values)
+        for index, chunk in enumerate(plan):
+            members = pieces[chunk.first_slot : chunk.stop_slot]
+            ready = max(ready, *(variables[p.name].grad_ready_s for p in members))
+            if not options.overlap:
+                ready = profile.backward_s
+            size = sum(p.numel * variables[p.name].element_size for p in members)
+            chunks.append(_PushChunk(server, index, float(size), ready))
+    return chunks
 
 
 def simulate_ps(
@@ -357,33 +394,106 @@ def simulate_ps(
     options = options or PSOptions()
     servers = options.num_servers(cluster.workers)
     cluster = _with_layout(cluster, servers, colocate=options.colocate)
-    per_server = _ps_placement_bytes(profile, servers, options)
+    if options.asynchronous:
+        return _simulate_async_ps(profile, cluster, options, servers)
+    return _simulate_sync_ps(profile, cluster, plan_ps_chunks(profile, servers, options))
+
+
+def _simulate_sync_ps(
+    profile: Profile, cluster: Cluster, chunks: list[_PushChunk]
+) -> tuple[float, list[Span], float]:
+    """Chunks pushed as backward completes them (each copied into its buffer on the
+    backward thread first), over per-host links; each server applies a chunk once every
+    worker's is in and answers it; the step ends when the last answer is back."""
+    spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
+    links = _HostLinks(cluster)
+    per_byte_apply = profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
+    server_cpu = [_Pipe() for _ in range(cluster.servers)]
+    backward_start = profile.forward_s
+    shift, done = 0.0, 0.0
+    for chunk in sorted(chunks, key=lambda c: (c.ready_s, c.server, c.index)):
+        launch = backward_start + chunk.ready_s + shift
+        fill = chunk.num_bytes * profile.copy_s_per_byte  # MEMCPY_IN_PUSH_BUFFER
+        shift += fill
+        pushed = links.push(launch + fill, chunk.server, chunk.num_bytes)
+        applied = server_cpu[chunk.server].hold(pushed, chunk.num_bytes * per_byte_apply)
+        done = max(done, links.pull(applied, chunk.server, chunk.num_bytes))
+        name = f"server {chunk.server} chunk {chunk.index}"
+        spans.append(Span(COMM_TRACK, f"PUSH {name}", launch + fill, pushed - launch - fill))
+        spans.append(Span(SERVER_TRACK, f"AGGREGATE_APPLY {name}", pushed, 0.0))
+    backward_end = backward_start + profile.backward_s + shift
+    spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, backward_end - backward_start))
+    synced = max(backward_end, done)
+    if done > backward_end:
+        spans.append(Span(COMPUTE_TRACK, "COMM_WAIT", backward_end, done - backward_end))
+    total = sum(c.num_bytes for c in chunks)
+    copy_out = total * profile.copy_s_per_byte
+    spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_PULL_BUFFER", synced, copy_out))
+    return synced + copy_out, spans, 2 * total
+
+
+class _HostLinks:
+    """Every host link (each way) and every server's link as first-come-first-served
+    pipes: a push from the workers to server s holds the outbound link of each host whose
+    workers send it across the network (for as many copies as that host has workers) and
+    the server's inbound link (one copy per remote worker); a pull the reverse."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.rate = cluster.network.rate
+        self.hop_s = cluster.network.hop_s
+        hosts = cluster.workers_per_host()
+        self.host_out = {h: _Pipe() for h in hosts}
+        self.host_in = {h: _Pipe() for h in hosts}
+        self.server_in = [_Pipe() for _ in range(cluster.servers)]
+        self.server_out = [_Pipe() for _ in range(cluster.servers)]
+
+    def push(self, ready: float, server: int, num_bytes: float) -> float:
+        return self._move(ready, server, num_bytes, self.host_out, self.server_in[server])
+
+    def pull(self, ready: float, server: int, num_bytes: float) -> float:
+        return self._move(ready, server, num_bytes, self.host_in, self.server_out[server])
+
+    def _move(
+        self,
+        ready: float,
+        server: int,
+        num_bytes: float,
+        host_pipes: dict[int, _Pipe],
+        server_pipe: _Pipe,
+    ) -> float:
+        remote = self.cluster.remote_workers(server)
+        if not remote:
+            return ready
+        host = self.cluster.server_host(server)
+        ends = [server_pipe.hold(ready, remote * num_bytes / self.rate)]
+        for h, count in self.cluster.workers_per_host().items():
+            if h != host:
+                ends.append(host_pipes[h].hold(ready, count * num_bytes / self.rate))
+        return max(ends) + self.hop_s
+
+
+def _simulate_async_ps(
+    profile: Profile, cluster: Cluster, options: PSOptions, servers: int
+) -> tuple[float, list[Span], float]:
+    """No barrier: each push is applied on arrival. A worker's step is its own round trip,
+    unless a shared resource (a server's CPU or a link) is busier than that per step."""
+    per_server = [float(b) for b in _ps_placement(profile, servers, options).bytes_per_server()]
     total = sum(per_server)
     workers = cluster.workers
-    compute = profile.compute_s
     copy = total * profile.copy_s_per_byte
     push = _link_phase_s(cluster, per_server)
     pull = _link_phase_s(cluster, per_server)
     per_push = [b * (profile.aggregate_s_per_byte + profile.apply_s_per_byte) for b in per_server]
-    if options.asynchronous:
-        # No barrier: each push is applied on arrival. A worker's step is its own round trip,
-        # unless a shared resource (a server's CPU or a link) is busier than that per step.
-        round_trip = compute + 2 * copy + push / workers + max(per_push) + pull / workers
-        server_busy = max(workers * b for b in per_push)
-        step = max(round_trip, server_busy, push, pull)
-        apply = max(per_push)
-    else:
-        apply = max(
-            workers * b * profile.aggregate_s_per_byte + b * profile.apply_s_per_byte
-            for b in per_server
-        )
-        step = compute + copy + push + apply + pull + copy
+    round_trip = profile.compute_s + 2 * copy + push / workers + max(per_push) + pull / workers
+    server_busy = max(workers * b for b in per_push)
+    step = max(round_trip, server_busy, push, pull)
     spans = _phase_spans(
         profile,
         [
             ("MEMCPY_IN_PUSH_BUFFER", copy, COMPUTE_TRACK),
             ("PUSH", push, COMM_TRACK),
-            ("AGGREGATE_APPLY", apply, SERVER_TRACK),
+            ("AGGREGATE_APPLY", max(per_push), SERVER_TRACK),
             ("PULL", pull, COMM_TRACK),
             ("MEMCPY_OUT_PULL_BUFFER", copy, COMPUTE_TRACK),
         ],

@@ -122,6 +122,18 @@ def test_colocated_ps_keeps_the_local_shard_off_the_wire() -> None:
     assert step.step_s == pytest.approx(3.0 + 2 * 1.0)
 
 
+def test_ps_pushes_a_chunk_as_soon_as_backward_completes_it() -> None:
+    # One worker, one dedicated server, 1 MB/s each way. "b" (1 MB, the last layer) is
+    # ready 0.5 s into backward: pushed 1.5–2.5 s, answered 2.5–3.5 s. "a" (4 KB) is ready
+    # at the end of backward (3.0 s): pushed by 3.004 s, answered after b's pull, by 3.504.
+    profile = profile_of([variable("a", 1000, 2.0), variable("b", 250_000, 0.5)])
+    cluster = Cluster(workers=1, network=Network(bandwidth=1e6))
+    per_variable = StrategyChoice("ps", PSOptions(push_chunk_mb=0))
+    assert predict_step(profile, cluster, per_variable).step_s == pytest.approx(3.504)
+    after_backward = StrategyChoice("ps", PSOptions(overlap=False))
+    assert predict_step(profile, cluster, after_backward).step_s == pytest.approx(3.0 + 2 * 1.004)
+
+
 def p3_case(priority: bool) -> float:
     """Layer 0 (1 slice) becomes ready 1 s after layer 1's 6 slices; every slice takes 1 s
     on each link. Derivation in docs/predict.md ("a priority case"): the next forward waits
