@@ -7,7 +7,10 @@ For one slice (default 40,000 float32 values, p3's slice size) on one thread:
 - **apply**: one optimizer step — the old path (the slot's ``.grad`` set, then
   ``Updater.update_at``: ``torch.optim``'s ``step()`` and ``zero_grad()``) against
   :meth:`ShardState.apply` (:meth:`Updater.update_params_at`: torch's functional SGD/Adam
-  on the slot), with the bare arithmetic of SGD with momentum as a floor.
+  on the slot), with the bare arithmetic of SGD with momentum as a floor;
+- **batch**: SGD on ``--batch`` waiting slices at once — one call each against one
+  ``foreach`` call (on CPU torch's foreach loops over the tensors in C++: the same bits, and
+  the figure shows whether batching the slices a server has waiting would pay).
 
 Each figure is the median over ``--repeats`` rounds of µs per call (the paths take turns
 within a round, so a busy neighbour slows all alike). Both paths are checked to give the
@@ -25,10 +28,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.optim.sgd import sgd
 
 from gradsync.comm.server import ShardState, sum_in_order
 from gradsync.config import OptimConfig
 from gradsync.optim import Updater
+
+SGD_FLAGS = dict(weight_decay=1e-4, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False)
 
 
 def old_sum_in_order(items: Sequence[Tensor], scale: float) -> Tensor:
@@ -85,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=40_000, help="values per slice")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4, help="slices waiting at once")
     parser.add_argument("--calls", type=int, default=500, help="calls per timed round")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds")
     args = parser.parse_args()
@@ -128,6 +135,30 @@ def main() -> None:
             cases["bare arithmetic (floor)"] = bare
         print(f"apply, {config.name} (weight decay {config.weight_decay:g}):")
         compare(cases, **timing)
+    compare_batch(args.size, args.batch, timing)
+
+
+def compare_batch(size: int, batch: int, timing: dict[str, int]) -> None:
+    """SGD on ``batch`` slices: a functional call each against one foreach call."""
+    values = [torch.randn(size) for _ in range(batch)]
+    grads = [torch.randn(size) for _ in range(batch)]
+    buffers = [torch.randn(size) for _ in range(batch)]
+    values += [v.clone() for v in values]  # the second half: the same start for foreach
+    buffers += [b.clone() for b in buffers]
+    one, many = slice(0, batch), slice(batch, 2 * batch)
+
+    def each() -> None:
+        for v, g, b in zip(values[one], grads, buffers[one], strict=True):
+            sgd([v], [g], [b], foreach=False, maximize=False, **SGD_FLAGS)
+
+    def foreach() -> None:
+        sgd(values[many], grads, buffers[many], foreach=True, maximize=False, **SGD_FLAGS)
+
+    each(), foreach()
+    if not all(torch.equal(a, b) for a, b in zip(values[one], values[many], strict=True)):
+        raise SystemExit("foreach SGD differs from single-tensor SGD")
+    print(f"apply, sgd, {batch} slices at once (µs per call of all {batch}):")
+    compare({"one call per slice": each, "one foreach call": foreach}, **timing)
 
 
 if __name__ == "__main__":
