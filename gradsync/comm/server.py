@@ -82,6 +82,10 @@ def sum_in_order(items: Sequence[Tensor | None], *, scale: float = 1.0) -> Tenso
     """The sum of the tensors in the order given (None: no contribution), times ``scale``;
     None when no item had one. A fixed order makes the sum bit-identical across runs.
 
+    The inputs are never written. One new tensor holds the result: the first two are added
+    into it, the rest added in place, then it is scaled in place — the same operations, in
+    the same order, as summing into a copy of the first (the same bits), one copy fewer.
+
     Example:
         >>> sum_in_order([torch.ones(2), None, torch.ones(2)], scale=0.25).tolist()
         [0.5, 0.5]
@@ -89,11 +93,13 @@ def sum_in_order(items: Sequence[Tensor | None], *, scale: float = 1.0) -> Tenso
     present = [t for t in items if t is not None]
     if not present:
         return None
-    total = present[0].clone()
-    for tensor in present[1:]:
-        total += tensor
+    if len(present) == 1:
+        return present[0].clone() if scale == 1.0 else torch.mul(present[0], scale)
+    total = torch.add(present[0], present[1])
+    for tensor in present[2:]:
+        total.add_(tensor)
     if scale != 1.0:
-        total *= scale
+        total.mul_(scale)
     return total
 
 
@@ -143,11 +149,27 @@ class ShardState:
 
     def apply(self, grad: Tensor, step: int, present: Sequence[bool] | None = None) -> None:
         """One optimizer step with ``grad`` (flat) and the learning rate of ``step``;
-        slots whose ``present`` flag is False had no gradient and are left alone."""
-        present = present if present is not None else [True] * self.num_slots
-        for slot, piece, here in zip(self.slots, grad.split(self.sizes), present, strict=True):
-            slot.grad = piece if here else None
-        self.updater.update_at(step)
+        slots whose ``present`` flag is False had no gradient and are left alone.
+
+        The slots' gradients go straight to :meth:`Updater.update_params_at` (torch's
+        functional SGD/Adam over the slot views): the same bits as setting each slot's
+        ``.grad`` and calling ``optimizer.step()``, without its per-call cost."""
+        if grad.shape != self.values.shape or grad.dtype != self.values.dtype:
+            raise ValueError(
+                f"a gradient of {tuple(grad.shape)} {grad.dtype} for values of "
+                f"{tuple(self.values.shape)} {self.values.dtype}"
+            )
+        pieces = (grad,) if self.num_slots == 1 else grad.split(self.sizes)
+        if present is None:
+            params, grads = self.slots, list(pieces)
+        else:
+            chosen = [
+                (slot, piece)
+                for slot, piece, here in zip(self.slots, pieces, present, strict=True)
+                if here
+            ]
+            params, grads = [slot for slot, _ in chosen], [piece for _, piece in chosen]
+        self.updater.update_params_at(step, params, grads)
         self.num_updates += 1
 
     def state_tensors(self) -> dict[str, Tensor]:
