@@ -73,8 +73,8 @@ def plan_chunks(sizes: Sequence[int], chunk_values: int | None) -> list[Chunk]:
     (a larger slot is a chunk of its own); None: one chunk of every slot, 0: one per slot.
 
     Example:
-        >>> [(c.start, c.stop) for c in plan_chunks([3, 3, 5, 1], 6)]
-        [(0, 6), (6, 11), (11, 12)]
+        >>> [(c.start, c.stop) for c in plan_chunks([3, 3, 5, 2], 6)]
+        [(0, 6), (6, 11), (11, 13)]
         >>> len(plan_chunks([3, 3, 5, 1], None)), len(plan_chunks([3, 3, 5, 1], 0))
         (1, 4)
     """
