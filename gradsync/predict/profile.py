@@ -97,6 +97,9 @@ class Profile:
     copy_s_per_byte: float
     aggregate_s_per_byte: float
     apply_s_per_byte: float
+    # A server's fixed CPU cost per round (one chunk or slice: sum, optimizer call, answer
+    # copy), on top of the per-byte costs; 0 in profiles taken before it was measured.
+    server_round_s: float = 0.0
     layers: tuple[LayerProfile, ...]
     variables: tuple[VariableProfile, ...]
     # Channels of each BatchNorm layer, in model order: with global BatchNorm (gradsync's
@@ -440,6 +443,7 @@ def _assemble(
         copy_s_per_byte=copy,
         aggregate_s_per_byte=aggregate,
         apply_s_per_byte=apply,
+        server_round_s=_server_round_s(request),
         layers=tuple(
             LayerProfile(name=name, forward_start_s=clock.median(f"layer:{i}", layer_warmup))
             for i, name in enumerate(layers.names)
@@ -477,6 +481,28 @@ def _byte_costs(num_bytes: int, request: ProfileRequest) -> tuple[float, float, 
         _median_time(lambda: target.add_(source), device) / nbytes,
         _median_time(apply, device) / nbytes,
     )
+
+
+def _server_round_s(request: ProfileRequest, rounds: int = 200) -> float:
+    """Seconds of one server round on a 16-value slot, 2 contributions: what a round costs
+    whatever its size (the server code's own sum, apply and answer copy)."""
+    import torch
+
+    from gradsync.comm.server import ShardState, sum_in_order
+    from gradsync.config import OptimConfig
+    from gradsync.optim import Updater
+
+    dtype = getattr(torch, request.dtype)
+    config = OptimConfig(name=request.optimizer)  # type: ignore[arg-type]
+    state = ShardState(torch.zeros(16, dtype=dtype), lambda ps: Updater(ps, config, lr=1e-3))
+    pushes = [torch.ones(16, dtype=dtype) for _ in range(2)]
+
+    def many_rounds() -> None:
+        for step in range(rounds):
+            state.apply(sum_in_order(pushes, scale=0.5), step)
+            state.values.detach().clone()
+
+    return _median_time(many_rounds, torch.device("cpu")) / rounds
 
 
 def _median_time(work: Callable[[], Any], device: Any, repeats: int = 5) -> float:

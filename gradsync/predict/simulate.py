@@ -416,7 +416,8 @@ def _simulate_sync_ps(
         fill = chunk.num_bytes * profile.copy_s_per_byte  # MEMCPY_IN_PUSH_BUFFER
         shift += fill
         pushed = links.push(launch + fill, chunk.server, chunk.num_bytes)
-        applied = server_cpu[chunk.server].hold(pushed, chunk.num_bytes * per_byte_apply)
+        work = chunk.num_bytes * per_byte_apply + profile.server_round_s
+        applied = server_cpu[chunk.server].hold(pushed, work)
         done = max(done, links.pull(applied, chunk.server, chunk.num_bytes))
         name = f"server {chunk.server} chunk {chunk.index}"
         spans.append(Span(COMM_TRACK, f"PUSH {name}", launch + fill, pushed - launch - fill))
@@ -700,7 +701,9 @@ def _p3_transfers(
             + net.hop_s
         )
         heapq.heappush(in_flight, pushed)
-        applied = server_cpu[s].hold(pushed, job.num_bytes * per_byte_apply)
+        applied = server_cpu[s].hold(
+            pushed, job.num_bytes * per_byte_apply + profile.server_round_s
+        )
         back = (
             max(
                 server_out[s].hold(applied, remote[s] * job.num_bytes / net.rate),

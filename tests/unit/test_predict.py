@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gradsync.predict.network import Cluster, Network, calibrate
@@ -132,6 +134,9 @@ def test_ps_pushes_a_chunk_as_soon_as_backward_completes_it() -> None:
     assert predict_step(profile, cluster, per_variable).step_s == pytest.approx(3.504)
     after_backward = StrategyChoice("ps", PSOptions(overlap=False))
     assert predict_step(profile, cluster, after_backward).step_s == pytest.approx(3.0 + 2 * 1.004)
+    # A server round's fixed cost (0.1 s) delays each answer: b's to 2.6–3.6 s, a's after it.
+    costly = dataclasses.replace(profile, server_round_s=0.1)
+    assert predict_step(costly, cluster, per_variable).step_s == pytest.approx(3.604)
 
 
 def p3_case(priority: bool) -> float:
