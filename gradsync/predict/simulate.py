@@ -410,18 +410,41 @@ def _simulate_sync_ps(
     per_byte_apply = profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
     server_cpu = [_Pipe() for _ in range(cluster.servers)]
     backward_start = profile.forward_s
-    shift, done = 0.0, 0.0
-    for chunk in sorted(chunks, key=lambda c: (c.ready_s, c.server, c.index)):
-        launch = backward_start + chunk.ready_s + shift
-        fill = chunk.num_bytes * profile.copy_s_per_byte  # MEMCPY_IN_PUSH_BUFFER
-        shift += fill
-        pushed = links.push(launch + fill, chunk.server, chunk.num_bytes)
-        work = chunk.num_bytes * per_byte_apply + profile.server_round_s
-        applied = server_cpu[chunk.server].hold(pushed, work)
-        done = max(done, links.pull(applied, chunk.server, chunk.num_bytes))
-        name = f"server {chunk.server} chunk {chunk.index}"
-        spans.append(Span(COMM_TRACK, f"PUSH {name}", launch + fill, pushed - launch - fill))
-        spans.append(Span(SERVER_TRACK, f"AGGREGATE_APPLY {name}", pushed, 0.0))
+    shift = 0.0
+    # Chunks completed by the same gradient (a partitioned variable; every chunk, without
+    # overlap) leave together: concurrent isends share the links and arrive together.
+    events: list[tuple[float, int, str, list[_PushChunk]]] = []  # (time, tie, what, chunks)
+    tie = itertools.count()  # equal times: the order events were made in
+    for _, group in itertools.groupby(
+        sorted(chunks, key=lambda c: (c.ready_s, c.server)), lambda c: c.ready_s
+    ):
+        together = list(group)
+        shift += sum(c.num_bytes for c in together) * profile.copy_s_per_byte  # into buffers
+        events.append((backward_start + together[0].ready_s + shift, next(tie), "push", together))
+    heapq.heapify(events)
+    done = 0.0
+    # Every pipe is reserved in time order (a heap of events), so first come, first served.
+    while events:
+        now, _, what, together = heapq.heappop(events)
+        if what == "push":
+            pushed = max(links.push(now, c.server, c.num_bytes) for c in together)
+            for chunk in together:
+                name = f"PUSH server {chunk.server} chunk {chunk.index}"
+                spans.append(Span(COMM_TRACK, name, now, pushed - now))
+                heapq.heappush(events, (pushed, next(tie), "apply", [chunk]))
+        elif what == "apply":
+            chunk = together[0]
+            work = chunk.num_bytes * per_byte_apply + profile.server_round_s
+            applied = server_cpu[chunk.server].hold(now, work)
+            name = f"AGGREGATE_APPLY server {chunk.server} chunk {chunk.index}"
+            spans.append(Span(SERVER_TRACK, name, applied - work, work))
+            heapq.heappush(events, (applied, next(tie), "pull", together))
+        else:
+            chunk = together[0]
+            back = links.pull(now, chunk.server, chunk.num_bytes)
+            name = f"PULL server {chunk.server} chunk {chunk.index}"
+            spans.append(Span(COMM_TRACK, name, now, back - now))
+            done = max(done, back)
     backward_end = backward_start + profile.backward_s + shift
     spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, backward_end - backward_start))
     synced = max(backward_end, done)
@@ -434,43 +457,43 @@ def _simulate_sync_ps(
 
 
 class _HostLinks:
-    """Every host link (each way) and every server's link as first-come-first-served
-    pipes: a push from the workers to server s holds the outbound link of each host whose
-    workers send it across the network (for as many copies as that host has workers) and
-    the server's inbound link (one copy per remote worker); a pull the reverse."""
+    """Every host's link, each way, as a first-come-first-served pipe. A push from the
+    workers to server s holds the outbound link of each other host with workers (one copy
+    per worker there) and the inbound link of s's host (one copy per remote worker); a pull
+    the reverse. Servers sharing a host share its link, and so do a colocated server's
+    answers and its worker's pushes."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.rate = cluster.network.rate
         self.hop_s = cluster.network.hop_s
-        hosts = cluster.workers_per_host()
-        self.host_out = {h: _Pipe() for h in hosts}
-        self.host_in = {h: _Pipe() for h in hosts}
-        self.server_in = [_Pipe() for _ in range(cluster.servers)]
-        self.server_out = [_Pipe() for _ in range(cluster.servers)]
+        hosts = set(cluster.workers_per_host())
+        hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
+        self.outbound = {h: _Pipe() for h in hosts}
+        self.inbound = {h: _Pipe() for h in hosts}
 
     def push(self, ready: float, server: int, num_bytes: float) -> float:
-        return self._move(ready, server, num_bytes, self.host_out, self.server_in[server])
+        return self._move(ready, server, num_bytes, self.outbound, self.inbound)
 
     def pull(self, ready: float, server: int, num_bytes: float) -> float:
-        return self._move(ready, server, num_bytes, self.host_in, self.server_out[server])
+        return self._move(ready, server, num_bytes, self.inbound, self.outbound)
 
     def _move(
         self,
         ready: float,
         server: int,
         num_bytes: float,
-        host_pipes: dict[int, _Pipe],
-        server_pipe: _Pipe,
+        worker_side: dict[int, _Pipe],
+        server_side: dict[int, _Pipe],
     ) -> float:
         remote = self.cluster.remote_workers(server)
         if not remote:
             return ready
         host = self.cluster.server_host(server)
-        ends = [server_pipe.hold(ready, remote * num_bytes / self.rate)]
+        ends = [server_side[host].hold(ready, remote * num_bytes / self.rate)]
         for h, count in self.cluster.workers_per_host().items():
             if h != host:
-                ends.append(host_pipes[h].hold(ready, count * num_bytes / self.rate))
+                ends.append(worker_side[h].hold(ready, count * num_bytes / self.rate))
         return max(ends) + self.hop_s
 
 

@@ -139,6 +139,22 @@ def test_ps_pushes_a_chunk_as_soon_as_backward_completes_it() -> None:
     assert predict_step(costly, cluster, per_variable).step_s == pytest.approx(3.604)
 
 
+def test_pushes_that_leave_together_arrive_together() -> None:
+    # Without overlap every chunk leaves after backward: two servers on host 1, two workers
+    # on host 0. Host 0's link carries 2 × 2 MB each way at 1 MB/s: 4 s, then 4 s back; the
+    # first server's answers cannot start before the second server's pushes are through.
+    profile = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 2.0)])
+    cluster = Cluster(
+        workers=2,
+        network=Network(bandwidth=1e6),
+        servers=2,
+        host_of_worker=(0, 0),
+        host_of_server=(1, 1),
+    )
+    choice = StrategyChoice("ps", PSOptions(servers=2, overlap=False))
+    assert predict_step(profile, cluster, choice).step_s == pytest.approx(3.0 + 4.0 + 4.0)
+
+
 def p3_case(priority: bool) -> float:
     """Layer 0 (1 slice) becomes ready 1 s after layer 1's 6 slices; every slice takes 1 s
     on each link. Derivation in docs/predict.md ("a priority case"): the next forward waits
