@@ -10,8 +10,9 @@ round-robin on the servers. Per step:
 - a server that has every pusher's push of step t sums them (pusher order), optionally
   divides by the number of workers, and applies SGD to the touched rows
   (:class:`SparseShard`);
-- a worker pulls, just before a lookup reads them, exactly the rows its batch needs; the
-  server answers a pull of step t once it has applied step t - 1.
+- a worker pulls the rows its batch needs (hybrid: every table's in one request per server
+  before the forward, :mod:`gradsync.comm.prefetch`); the server answers a pull of step t
+  once it has applied step t - 1.
 
 Messages use the toolkit's framing (:mod:`gradsync.comm.wire`, served by
 :func:`gradsync.comm.server.serve`): a push or pull header is followed by a float64
@@ -586,14 +587,17 @@ def cut_rows(
 
 
 class SparseClient(ServerLinks):
-    """A worker's end: push coalesced rows to servers, pull the rows a lookup needs.
+    """A worker's end: push coalesced rows to servers, pull the rows lookups need.
 
     ``partitions[s]`` are server s's; the rest as :class:`~gradsync.comm.wire.ServerLinks`.
+    :attr:`num_pulls` counts pull round trips (one :meth:`pull`: one request per server
+    asked, all answered before it returns).
     """
 
     def __init__(self, *, partitions: Sequence[Sequence[RowPartition]], **links: Any) -> None:
         super().__init__(**links)
         self.partitions = [list(p) for p in partitions]
+        self.num_pulls = 0
 
     def _send_rows(
         self,
@@ -638,6 +642,7 @@ class SparseClient(ServerLinks):
         replies: list[Tensor] = [torch.zeros(0)] * len(self.servers)
         works, sent, received = [], 0, 0
         asked = [s for s, rows in enumerate(wanted) if sum(len(r) for r in rows)]
+        self.num_pulls += bool(asked)
         for s in asked:
             width = sum(
                 len(r) * p.row_numel for r, p in zip(wanted[s], self.partitions[s], strict=True)
