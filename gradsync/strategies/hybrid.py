@@ -10,9 +10,10 @@ parameter servers, dense variables through allreduce.
 - Dense path: :class:`~gradsync.comm.fusion.FusedAllreduce` over the dense variables, then
   each worker's own optimizer (Horovod's path, as ``allreduce``).
 - Sparse path (:mod:`gradsync.comm.sparse`): row partitions on servers (dedicated ranks, or
-  colocated in the workers); workers sum their coalesced rows per node (local aggregation),
-  the node's first worker pushes them; servers average (``--no-average-sparse``: sum), apply
-  SGD to those rows, and answer pulls.
+  colocated in the workers); after backward, before the dense path finishes (its last
+  buckets are still in flight, the servers apply meanwhile), workers sum their coalesced
+  rows per node (local aggregation), the node's first worker pushes them; servers average
+  (``--no-average-sparse``: sum), apply SGD to those rows, and answer pulls.
 - Pulls: one round trip per step. Before the forward, the rows every table will read are
   predicted from the forward's integer inputs (:mod:`gradsync.comm.prefetch`: learned each
   step from which inputs fed which lookups, e.g. ``lstm-lm``'s token ids feed the
@@ -467,7 +468,7 @@ class Hybrid(ServerStrategy):
     def _lookup(self, name: str, lookup: Tensor) -> None:
         """Forward pre-hook of a sparse lookup: note the rows it reads, and pull those of
         them not pulled yet this step (a wrong or missing prediction stays correct)."""
-        rows = torch.unique(lookup.detach().reshape(-1))
+        rows = torch.unique(lookup.detach().reshape(-1)).cpu()  # pulls name CPU indices
         self._read.setdefault(name, []).append(rows)
         if not self._connected:
             return
@@ -493,7 +494,8 @@ class Hybrid(ServerStrategy):
                 width = len(want) * p.row_numel
                 if width:
                     table = self.params[p.name].data.view(self.params[p.name].shape[0], -1)
-                    table[want] = replies[s][offset : offset + width].view(len(want), -1)
+                    values = replies[s][offset : offset + width].view(len(want), -1)
+                    table.index_copy_(0, want, values.to(table.dtype))
                 offset += width
         if self._fresh_step != self._step:
             self._fresh, self._fresh_step = {}, self._step
@@ -555,19 +557,35 @@ class Hybrid(ServerStrategy):
     def step(self) -> None:
         assert self.updater is not None
         lr = self.updater.lr  # the rate this step's update uses (the schedule moves after)
+        if self.sparse_names and self._connected:
+            # Sparse rows first, while the last dense buckets are still being reduced: the
+            # servers apply them during the dense finish and update, so the next step's
+            # pull waits less.
+            self._sync_sparse(lr)
+            self._finish_dense()
+        else:  # the first step starts the servers (collectives): the dense path is done first
+            self._finish_dense()
+            if self.sparse_names:
+                self._sync_sparse(lr)
+        self._step += 1
+
+    def _finish_dense(self) -> None:
+        assert self.updater is not None
         self.fused.finish()
         self.updater.update()
-        if self.sparse_names:
-            rows, present = self._local_rows()
-            if not self._connected:
-                self._connect({n: r[0] for n, r in rows.items()})
-            # The training thread waits for the node's row sum and the push: exposed.
-            with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="sparse rows"):
-                self._push(rows, present, lr)
-            read = {n: torch.unique(torch.cat(r)) for n, r in self._read.items()}
-            self.predictor.learn(read, self._inputs)  # next step's prefetch
-            self._read = {}
-        self._step += 1
+
+    def _sync_sparse(self, lr: float) -> None:
+        """Push this step's sparse rows (starting the servers at the first step) and learn
+        the next step's prefetch from the rows the lookups read."""
+        rows, present = self._local_rows()
+        if not self._connected:
+            self._connect({n: r[0] for n, r in rows.items()})
+        # The training thread waits for the node's row sum and the push: exposed.
+        with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="sparse rows"):
+            self._push(rows, present, lr)
+        read = {n: torch.unique(torch.cat(r)) for n, r in self._read.items()}
+        self.predictor.learn(read, self._inputs)
+        self._read = {}
 
     def _push(
         self, rows: dict[str, tuple[Tensor, Tensor]], present: dict[str, bool], lr: float
