@@ -10,8 +10,9 @@ round-robin on the servers. Per step:
 - a server that has every pusher's push of step t sums them (pusher order), optionally
   divides by the number of workers, and applies SGD to the touched rows
   (:class:`SparseShard`);
-- a worker pulls, just before a lookup reads them, exactly the rows its batch needs; the
-  server answers a pull of step t once it has applied step t - 1.
+- a worker pulls the rows its batch needs (hybrid: every table's in one request per server
+  before the forward, :mod:`gradsync.comm.prefetch`); the server answers a pull of step t
+  once it has applied step t - 1.
 
 Messages use the toolkit's framing (:mod:`gradsync.comm.wire`, served by
 :func:`gradsync.comm.server.serve`): a push or pull header is followed by a float64
@@ -47,6 +48,7 @@ from gradsync.comm.placement import Variable, partition_variables, place_round_r
 from gradsync.comm.server import Gather, ServerMetrics, ServerPolicy
 from gradsync.comm.wire import (
     HEADER,
+    TAG_PUSH,
     TAG_REPLY,
     Header,
     Kind,
@@ -586,14 +588,18 @@ def cut_rows(
 
 
 class SparseClient(ServerLinks):
-    """A worker's end: push coalesced rows to servers, pull the rows a lookup needs.
+    """A worker's end: push coalesced rows to servers, pull the rows lookups need.
 
     ``partitions[s]`` are server s's; the rest as :class:`~gradsync.comm.wire.ServerLinks`.
+    :attr:`num_pulls` counts pull round trips (one :meth:`pull`: one request per server
+    asked, all answered before it returns).
     """
 
     def __init__(self, *, partitions: Sequence[Sequence[RowPartition]], **links: Any) -> None:
         super().__init__(**links)
         self.partitions = [list(p) for p in partitions]
+        self.num_pulls = 0
+        self._posted: list[tuple[Any, Tensor]] = []  # pushes in flight, with their tensors
 
     def _send_rows(
         self,
@@ -602,6 +608,8 @@ class SparseClient(ServerLinks):
         indices: Sequence[Tensor],
         values: Sequence[Tensor] | None = None,
         present: Sequence[bool] | None = None,
+        *,
+        post: bool = False,
     ) -> int:
         counts = [float(len(i)) for i in indices]
         flags = [float(p) for p in present] if present is not None else [0.0] * len(counts)
@@ -613,7 +621,30 @@ class SparseClient(ServerLinks):
                 tensors.append(flat.to(torch.get_default_dtype()))
         if self.servers[server] is None:  # the server keeps what it gets: private copies
             tensors = [t.clone() for t in tensors]
+        elif post:
+            return self._post(server, header, tensors)
         return self.send(server, header, tensors)
+
+    def _post(self, server: int, header: Header, tensors: Sequence[Tensor]) -> int:
+        """Start sending one message to remote server ``server``; it leaves while the caller
+        goes on (:meth:`wait_pushes`). Returns its wire bytes."""
+        pieces = [header.encode(), *(t.contiguous() for t in tensors)]
+        rank = self.servers[server]
+        # Each tensor is kept with its work: it must live until it has been sent.
+        self._posted.extend(
+            (dist.isend(t, dst=rank, group=self.group, tag=TAG_PUSH), t) for t in pieces
+        )
+        return sum(t.numel() * t.element_size() for t in pieces)
+
+    def wait_pushes(self) -> None:
+        """Wait until every posted push has left (bounded by the process group timeout)."""
+        while self._posted:
+            work, _ = self._posted.pop(0)
+            work.wait()
+
+    def done(self) -> None:
+        self.wait_pushes()
+        super().done()
 
     def push(
         self,
@@ -623,10 +654,19 @@ class SparseClient(ServerLinks):
         present: Sequence[Sequence[bool]],
     ) -> int:
         """Send server s the (indices, values) of each of its partitions and whether their
-        variables had a gradient (``present[s][i]``); returns wire bytes."""
+        variables had a gradient (``present[s][i]``); returns wire bytes.
+
+        It returns once the pushes are handed to the transport, after waiting for the
+        previous step's to leave: a worker's messages to a server arrive in the order they
+        were sent, so its next pull (which the server answers after applying this push)
+        needs no wait here.
+        """
+        self.wait_pushes()
         header = Header(Kind.PUSH, worker=self.worker, step=step, lr=lr)
         return sum(
-            self._send_rows(s, header, [i for i, _ in parts], [v for _, v in parts], flags)
+            self._send_rows(
+                s, header, [i for i, _ in parts], [v for _, v in parts], flags, post=True
+            )
             for s, (parts, flags) in enumerate(zip(rows, present, strict=True))
         )
 
@@ -638,6 +678,7 @@ class SparseClient(ServerLinks):
         replies: list[Tensor] = [torch.zeros(0)] * len(self.servers)
         works, sent, received = [], 0, 0
         asked = [s for s, rows in enumerate(wanted) if sum(len(r) for r in rows)]
+        self.num_pulls += bool(asked)
         for s in asked:
             width = sum(
                 len(r) * p.row_numel for r, p in zip(wanted[s], self.partitions[s], strict=True)

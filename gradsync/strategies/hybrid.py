@@ -10,10 +10,17 @@ parameter servers, dense variables through allreduce.
 - Dense path: :class:`~gradsync.comm.fusion.FusedAllreduce` over the dense variables, then
   each worker's own optimizer (Horovod's path, as ``allreduce``).
 - Sparse path (:mod:`gradsync.comm.sparse`): row partitions on servers (dedicated ranks, or
-  colocated in the workers); workers sum their coalesced rows per node (local aggregation),
-  the node's first worker pushes them; servers average (``--no-average-sparse``: sum), apply
-  SGD to those rows, and answer pulls: each lookup pulls, just before it runs, exactly the
-  rows it reads.
+  colocated in the workers); after backward, before the dense path finishes (its last
+  buckets are still in flight, the servers apply meanwhile), workers sum their coalesced
+  rows per node (local aggregation), the node's first worker pushes them; servers average
+  (``--no-average-sparse``: sum), apply SGD to those rows, and answer pulls.
+- Pulls: one round trip per step. Before the forward, the rows every table will read are
+  predicted from the forward's integer inputs (:mod:`gradsync.comm.prefetch`: learned each
+  step from which inputs fed which lookups, e.g. ``lstm-lm``'s token ids feed the
+  embedding, its targets and sampled candidates the softmax tables) and pulled in one
+  request per server. Each lookup then checks that its rows were pulled and pulls only
+  those that were not (the first steps, indices made inside the forward), so a wrong
+  prediction costs a round trip, never a stale row.
 - The partition count P is chosen at the first step from the rows worker 0's first batch
   touched (:func:`~gradsync.comm.sparse.choose_num_partitions`), unless ``--partitions``.
 
@@ -43,6 +50,7 @@ from gradsync.comm.counters import CommStats
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.groups import node_local_group
 from gradsync.comm.objects import broadcast_json, broadcast_tensors
+from gradsync.comm.prefetch import RowPredictor, forward_indices, missing_rows
 from gradsync.comm.server import ColocatedServer, ServerMetrics, endpoints
 from gradsync.comm.sparse import (
     RowPartition,
@@ -373,10 +381,18 @@ class Hybrid(ServerStrategy):
         if not self.sparse_names:
             return model
         self._join(context, is_worker=True)
+        self.predictor = RowPredictor({n: self.params[n].shape[0] for n in self.sparse_names})
+        self._inputs: dict[str, Tensor] = {}  # this step's integer forward inputs
+        self._read: dict[str, list[Tensor]] = {}  # rows each table's lookups read this step
+        self._fresh: dict[str, Tensor] = {}  # rows pulled for step _fresh_step
+        self._fresh_step = -1
+        # Before the forward: every table's predicted rows in one pull; then each lookup
+        # pulls only the rows it reads that were not predicted (none, once learned).
+        model.register_forward_pre_hook(self._prefetch_rows, with_kwargs=True)
         lookups = lookup_tables(model)
         for name in self.sparse_names:
             lookups[name].register_forward_pre_hook(
-                lambda _module, args, name=name: self._pull_rows(name, args[0])
+                lambda _module, args, name=name: self._lookup(name, args[0])
             )
         return model
 
@@ -437,32 +453,66 @@ class Hybrid(ServerStrategy):
             dist.barrier(group=context.worker_group)  # no pull before every LOAD is in
             self._to_load = None
 
-    def _pull_rows(self, name: str, lookup: Tensor) -> None:
-        """Forward pre-hook of a sparse lookup: fetch exactly the rows it is about to read."""
+    def _prefetch_rows(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Forward pre-hook of the model: pull, in one round trip, the rows every table is
+        predicted to read this step (:class:`~gradsync.comm.prefetch.RowPredictor`)."""
+        self._inputs = forward_indices(args, kwargs)
         if not self._connected:  # first step: every worker holds the same initial values
             return
+        predicted = {n: r for n, r in self.predictor.predict(self._inputs).items() if len(r)}
+        if predicted:
+            self._pull(predicted)
+
+    def _lookup(self, name: str, lookup: Tensor) -> None:
+        """Forward pre-hook of a sparse lookup: note the rows it reads, and pull those of
+        them not pulled yet this step (a wrong or missing prediction stays correct)."""
+        rows = torch.unique(lookup.detach().reshape(-1)).cpu()  # pulls name CPU indices
+        self._read.setdefault(name, []).append(rows)
+        if not self._connected:
+            return
+        fresh = self._fresh.get(name) if self._fresh_step == self._step else None
+        missing = missing_rows(rows, fresh)
+        if len(missing):
+            self._pull({name: missing})
+
+    def _pull(self, rows: dict[str, Tensor]) -> None:
+        """Fetch the sorted unique ``rows`` of each named table, one request per server
+        holding any of them (one round trip in all), and write them into the tables."""
         started = time.perf_counter()
-        rows = torch.unique(lookup.reshape(-1))
-        wanted: list[list[Tensor]] = [[] for _ in range(self.num_servers)]
-        mine = [p for p in self.partitions if p.name == name]
-        pieces = dict(zip(mine, split_rows(rows, None, mine), strict=True))
-        for s, parts in enumerate(self.on_server):
-            for p in parts:
-                wanted[s].append(pieces[p][0] if p in pieces else rows[:0])
+        wanted = self._wanted_per_server(rows)
+        label = ",".join(rows)
         with (
-            self.context.timeline.span(COMPUTE, Phase.WAIT_FOR_PARAMS, tensor=name),
-            self.context.timeline.span(f"sparse-{name}", Phase.PULL, tensor=name),
+            self.context.timeline.span(COMPUTE, Phase.WAIT_FOR_PARAMS, tensor=label),
+            self.context.timeline.span("sparse-pull", Phase.PULL, tensor=label),
         ):
             replies, sent, received = self.client.pull(self._step, wanted)
-        table = self.params[name].data.view(self.params[name].shape[0], -1)
         for s, parts in enumerate(self.on_server):
             offset = 0
             for p, want in zip(parts, wanted[s], strict=True):
                 width = len(want) * p.row_numel
-                if p.name == name and len(want):
-                    table[want] = replies[s][offset : offset + width].view(len(want), -1)
+                if width:
+                    table = self.params[p.name].data.view(self.params[p.name].shape[0], -1)
+                    values = replies[s][offset : offset + width].view(len(want), -1)
+                    table.index_copy_(0, want, values.to(table.dtype))
                 offset += width
+        if self._fresh_step != self._step:
+            self._fresh, self._fresh_step = {}, self._step
+        for name, pulled in rows.items():
+            before = self._fresh.get(name)
+            both = pulled if before is None else torch.cat([before, pulled])
+            self._fresh[name] = torch.unique(both)
         self._count(sent, received, time.perf_counter() - started)
+
+    def _wanted_per_server(self, rows: dict[str, Tensor]) -> list[list[Tensor]]:
+        """``rows`` cut per partition: ``[s][i]`` are the rows of server s's partition i."""
+        pieces: dict[RowPartition, Tensor] = {}
+        for name, wanted in rows.items():
+            mine = [p for p in self.partitions if p.name == name]
+            pieces.update(zip(mine, (i for i, _ in split_rows(wanted, None, mine)), strict=True))
+        none = torch.zeros(0, dtype=torch.long)
+        return [[pieces.get(p, none) for p in parts] for parts in self.on_server]
 
     def _count(self, sent: int, received: int, seconds: float) -> None:
         for stats in (self.sparse_counters, self.counters):
@@ -507,16 +557,35 @@ class Hybrid(ServerStrategy):
     def step(self) -> None:
         assert self.updater is not None
         lr = self.updater.lr  # the rate this step's update uses (the schedule moves after)
+        if self.sparse_names and self._connected:
+            # Sparse rows first, while the last dense buckets are still being reduced: the
+            # servers apply them during the dense finish and update, so the next step's
+            # pull waits less.
+            self._sync_sparse(lr)
+            self._finish_dense()
+        else:  # the first step starts the servers (collectives): the dense path is done first
+            self._finish_dense()
+            if self.sparse_names:
+                self._sync_sparse(lr)
+        self._step += 1
+
+    def _finish_dense(self) -> None:
+        assert self.updater is not None
         self.fused.finish()
         self.updater.update()
-        if self.sparse_names:
-            rows, present = self._local_rows()
-            if not self._connected:
-                self._connect({n: r[0] for n, r in rows.items()})
-            # The training thread waits for the node's row sum and the push: exposed.
-            with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="sparse rows"):
-                self._push(rows, present, lr)
-        self._step += 1
+
+    def _sync_sparse(self, lr: float) -> None:
+        """Push this step's sparse rows (starting the servers at the first step) and learn
+        the next step's prefetch from the rows the lookups read."""
+        rows, present = self._local_rows()
+        if not self._connected:
+            self._connect({n: r[0] for n, r in rows.items()})
+        # The training thread waits for the node's row sum and the push: exposed.
+        with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="sparse rows"):
+            self._push(rows, present, lr)
+        read = {n: torch.unique(torch.cat(r)) for n, r in self._read.items()}
+        self.predictor.learn(read, self._inputs)
+        self._read = {}
 
     def _push(
         self, rows: dict[str, tuple[Tensor, Tensor]], present: dict[str, bool], lr: float

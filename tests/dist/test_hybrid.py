@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 from torch import nn
 
 from gradsync.config import OptimConfig, TrainConfig
-from gradsync.strategies.hybrid import HybridOptions
 from gradsync.optim import Updater
 from gradsync.strategies.base import Context
-from gradsync.strategies.hybrid import Hybrid
+from gradsync.strategies.hybrid import Hybrid, HybridOptions
 
 # Rows each worker's batch looks up, per step (duplicates on purpose: coalesced before sending).
 LOOKUPS = [
@@ -97,3 +99,105 @@ def test_sparse_bytes_follow_touched_rows_not_vocabulary(run_ranks, tmp_path) ->
     sent = [b[0] for b in small[0]["bytes"]]
     assert sent[1] < sent[2]
     assert max(sent) < 1_000 * 4 * 4 / 4  # far below a quarter of even the small table
+
+
+# -- pulls: one round trip per step, predicted from the forward's inputs -------------------
+
+# Per step, per worker: token ids and extra ids (a keyword input).
+INPUTS = [
+    ([[1, 2], [2, 5]], [[7], [3]]),
+    ([[3, 3], [8, 1]], [[2], [9]]),
+    ([[4, 9], [6, 6]], [[1], [5]]),
+    ([[0, 2], [7, 3]], [[4], [8]]),
+]
+
+
+class _Lookups(nn.Module):
+    """Tables read by input ids, by input ids and a keyword input concatenated (as a
+    sampled softmax does), and, with ``hashed``, by ids computed inside the forward."""
+
+    def __init__(self, vocab: int, hashed: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, 3, sparse=True)
+        self.output = nn.Embedding(vocab, 3, sparse=True)
+        self.hashed = nn.Embedding(vocab, 2, sparse=True) if hashed else None
+        self.vocab = vocab
+
+    def forward(self, ids: torch.Tensor, *, extra: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([ids, extra])
+        loss = (self.embedding(ids).sum(0) * self.output(both).sum(0)).sum()
+        if self.hashed is not None:  # not an input: only known once the forward runs
+            loss = loss + self.hashed(ids + self.vocab // 2).pow(2).sum()
+        return loss
+
+
+def _inputs(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, extra = INPUTS[step]
+    return torch.tensor(ids[worker]), torch.tensor(extra[worker])
+
+
+def _train_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # exact comparison with the reference below
+    try:
+        return _run_lookups(rank, world_size, hashed, out)
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def _run_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
+    torch.manual_seed(0)
+    model = _Lookups(20, hashed)  # ids < 10: no input names a hashed row
+    reference = copy.deepcopy(model)
+    config = TrainConfig(
+        strategy="hybrid",
+        workers=world_size,
+        out=out,
+        optim=OptimConfig(lr=0.1, momentum=0.9),
+        strategy_options=HybridOptions(colocate=True, partitions=2),
+    )
+    context = Context(
+        config=config,
+        rank=rank,
+        world_size=world_size,
+        worker_index=rank,
+        num_workers=world_size,
+        device=torch.device("cpu"),
+        worker_group=None,
+        make_updater=lambda ps: Updater(ps, config.optim, lr=0.1),
+    )
+    strategy = Hybrid()
+    module = strategy.setup(model, context)
+    pulls = []
+    for step in range(len(INPUTS)):
+        before = strategy.client.num_pulls if strategy._connected else 0
+        ids, extra = _inputs(step, rank)
+        module(ids, extra=extra).backward()
+        pulls.append((strategy.client.num_pulls if strategy._connected else 0) - before)
+        strategy.step()
+    state = strategy.checkpoint_tensors()
+    strategy.finish()
+    # single: the mean of the workers' losses, torch's SGD on the sparse gradients.
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(len(INPUTS)):
+        optimizer.zero_grad()
+        losses = [reference(*_inputs(step, w)[:1], extra=_inputs(step, w)[1]) for w in range(2)]
+        (sum(losses) / world_size).backward()
+        optimizer.step()
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    return {"pulls": pulls, "state": state, "expected": expected}
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_one_pull_round_trip_per_step_and_single_s_parameters(
+    run_ranks, tmp_path, hashed: bool
+) -> None:
+    results = run_ranks(2, _train_lookups, hashed, str(tmp_path))
+    for worker in results:
+        # Step 0 reads the initial tables (no pull). Later steps: one pull before the
+        # forward for every table fed by an input; rows made inside the forward need a
+        # second one (a pull per lookup would take 2, or 3 with the hashed table).
+        assert worker["pulls"] == [0, *[2 if hashed else 1] * (len(INPUTS) - 1)]
+    state, expected = results[0]["state"], results[0]["expected"]
+    for name, value in expected.items():
+        assert torch.allclose(state[f"param/{name}"], value, atol=1e-12, rtol=0), name

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradsync.comm.prefetch import RowPredictor, forward_indices, missing_rows
 from gradsync.comm.sparse import (
     RowPartition,
     SparseShard,
@@ -121,3 +122,28 @@ def test_hybrid_config_round_trips_and_rejects_bad_topologies() -> None:
         TrainConfig(strategy="hybrid", strategy_options={"partitions": 0})
     with pytest.raises(UserError, match="bad regular expression"):
         TrainConfig(strategy="hybrid", strategy_options=HybridOptions(dense_patterns=("re:(",)))
+
+
+def test_rows_are_predicted_from_the_inputs_that_fed_each_table() -> None:
+    # As lstm-lm with sampled softmax: tokens feed the embedding, targets and the sampled
+    # ids (a keyword input) the softmax; a scalar (the tries) and float inputs feed nothing.
+    def inputs(tokens, targets, sampled):
+        args = (torch.tensor(tokens), torch.tensor(targets), torch.ones(2))
+        return forward_indices(args, {"sampled": torch.tensor(sampled), "tries": torch.tensor(9)})
+
+    predictor = RowPredictor({"emb": 100, "softmax": 100})
+    step_0 = inputs([[5, 1], [1, 2]], [[1, 3], [2, 4]], [7, 0])
+    assert set(step_0) == {"args.0", "args.1", "kwargs.sampled", "kwargs.tries"}
+    read = {"emb": torch.tensor([1, 2, 5]), "softmax": torch.tensor([0, 1, 2, 3, 4, 7])}
+    predictor.learn(read, step_0)
+    assert predictor.sources == {"emb": ("args.0",), "softmax": ("args.1", "kwargs.sampled")}
+    step_1 = inputs([[8, 8]], [[8, 9]], [0, 120])  # 120 is no row of the table: dropped
+    predicted = predictor.predict(step_1)
+    assert predicted["emb"].tolist() == [8]
+    assert predicted["softmax"].tolist() == [0, 8, 9]
+    # Rows a lookup reads that were not predicted are the ones left to pull.
+    assert missing_rows(torch.tensor([0, 8, 11]), predicted["softmax"]).tolist() == [11]
+    assert missing_rows(torch.tensor([3]), None).tolist() == [3]
+    # A table read from no input (indices made in the forward) is not predicted.
+    predictor.learn({"emb": torch.tensor([50])}, step_1)
+    assert predictor.sources == {"emb": ()} and predictor.predict(step_1) == {}
