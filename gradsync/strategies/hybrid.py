@@ -645,9 +645,12 @@ class Hybrid(ServerStrategy):
             self._to_load = tensors
 
     def finish(self) -> None:
+        """Release the servers. Lookups after this (the validation pass) read the worker's
+        own tables, which worker 0's final checkpoint filled with the servers' rows."""
         if not self._connected:
             return
         self.client.done()
+        self._connected = False  # no pull may wait on a server that has stopped
         if self._colocated is not None:
             self._colocated.join(self.context.config.launch.timeout_s)
 

@@ -177,6 +177,9 @@ def _run_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
         strategy.step()
     state = strategy.checkpoint_tensors()
     strategy.finish()
+    with torch.no_grad():  # the validation pass after training: no pull, no wait
+        module(*_inputs(0, rank)[:1], extra=_inputs(0, rank)[1])
+    tables = {n: p.detach().clone() for n, p in model.named_parameters()}
     # single: the mean of the workers' losses, torch's SGD on the sparse gradients.
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(len(INPUTS)):
@@ -185,7 +188,7 @@ def _run_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
         (sum(losses) / world_size).backward()
         optimizer.step()
     expected = {n: p.detach() for n, p in reference.named_parameters()}
-    return {"pulls": pulls, "state": state, "expected": expected}
+    return {"pulls": pulls, "state": state, "expected": expected, "tables": tables}
 
 
 @pytest.mark.parametrize("hashed", [False, True])
@@ -201,3 +204,5 @@ def test_one_pull_round_trip_per_step_and_single_s_parameters(
     state, expected = results[0]["state"], results[0]["expected"]
     for name, value in expected.items():
         assert torch.allclose(state[f"param/{name}"], value, atol=1e-12, rtol=0), name
+        # Worker 0's own tables hold the servers' rows for evaluation after training.
+        assert torch.allclose(results[0]["tables"][name], value, atol=1e-12, rtol=0), name
