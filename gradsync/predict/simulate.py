@@ -16,9 +16,10 @@ functions, so a knob means the same thing here as in ``gradsync train``:
   backward with ``--no-overlap``), over per-host links; its server aggregates and applies
   it and answers; the next forward waits for every answer. Asynchronous modes drop the
   barrier: a step is then bound by its own round trip or by the busiest resource.
-- ``hybrid``: dense variables as ``allreduce``; sparse rows pushed after the dense update to
-  partitioned servers (one pusher per host with local aggregation) and pulled by the next
-  forward.
+- ``hybrid``: dense variables as ``allreduce``; sparse rows pushed when backward ends, while
+  the last dense buckets are reduced, to partitioned servers (one pusher per host with local
+  aggregation), and pulled in one round trip before the next forward, once the dense
+  update is done and the servers have applied.
 - ``p3``: slices (:func:`gradsync.comm.slicing.slice_variables`) queued when their gradient
   is ready and sent most urgent layer first, at most ``SEND_WINDOW`` in flight; a server
   answers a slice once every worker's is in and applied; the next forward of layer i waits
@@ -579,12 +580,17 @@ def simulate_hybrid(
         + row_bytes * profile.apply_s_per_byte
         + partitions * len(sparse) * PARTITION_OVERHEAD_S
     )
+    # The rows leave when backward ends, while the last dense buckets are reduced; the
+    # next forward's one pull waits for the dense update and for the servers' apply.
+    backward = next(s for s in spans if s.name == "BACKWARD")
+    pushed = backward.start + backward.duration + push
+    pull_start = max(end, pushed + apply)
     spans += [
-        Span(COMM_TRACK, "SPARSE_PUSH", end, push),
-        Span(SERVER_TRACK, "SPARSE_APPLY", end + push, apply),
-        Span(COMM_TRACK, "SPARSE_PULL", end + push + apply, pull),
+        Span(COMM_TRACK, "SPARSE_PUSH", pushed - push, push),
+        Span(SERVER_TRACK, "SPARSE_APPLY", pushed, apply),
+        Span(COMM_TRACK, "SPARSE_PULL", pull_start, pull),
     ]
-    return end + push + apply + pull, spans, moved + push_bytes + pull_bytes
+    return pull_start + pull, spans, moved + push_bytes + pull_bytes
 
 
 # -- p3 ------------------------------------------------------------------------------------
