@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.comm.counters import CommStats
+from gradsync.comm.ready import ReadyOnce
 from gradsync.trace import COMPUTE, NullTimeline, Phase, Timeline
 
 
@@ -121,6 +122,9 @@ class FusedAllreduce:
         names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
         self.buckets: list[Bucket] = []
         self._next_launch = 0
+        self._ready = ReadyOnce(
+            "allreduce", "--strategy ps --no-overlap (it reads gradients after backward)"
+        )
         self._slot: dict[int, tuple[Bucket, int]] = {}
         for number, indices in enumerate(plan_buckets(params, threshold_bytes, first_bucket_bytes)):
             members = [params[i] for i in indices]
@@ -148,7 +152,8 @@ class FusedAllreduce:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _on_grad_ready(self, param: Tensor) -> None:
-        bucket, _ = self._slot[id(param)]
+        bucket, index = self._slot[id(param)]
+        self._ready.mark(bucket.names[index])
         self._queue(bucket)
         bucket.pending -= 1
         # Launch strictly in bucket order, as DDP does: every rank must issue the same
@@ -231,6 +236,7 @@ class FusedAllreduce:
         started = time.perf_counter()
         self.launch_remaining()
         self._next_launch = 0
+        self._ready.reset()
         for bucket in self.buckets:
             with self.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor=bucket.name):
                 bucket.work.wait()

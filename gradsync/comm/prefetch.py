@@ -51,7 +51,7 @@ def forward_indices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[st
 def _collect(path: str, value: Any, found: dict[str, Tensor]) -> None:
     if isinstance(value, Tensor):
         if not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
-            found[path] = torch.unique(value.detach().reshape(-1).cpu())
+            found[path] = torch.unique(value.detach().reshape(-1).cpu().long())
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
             _collect(f"{path}.{i}", item, found)

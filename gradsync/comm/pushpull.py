@@ -132,7 +132,6 @@ class DenseServer(ServerPolicy):
         self.timeline = timeline or NullTimeline()
         self.track = track
         self.rounds = Gather(range(num_workers))
-        self.grad = torch.zeros_like(state.values)  # a chunk's sum lands in its run
         self.clocks = [0] * num_workers  # steps each worker has completed here (SSP)
         self.waiting: list[tuple[int, int, int]] = []  # (worker, step, chunk) held back
 
@@ -179,10 +178,8 @@ class DenseServer(ServerPolicy):
     def _apply(self, index: int, payload: Tensor, step: int) -> None:
         """Payload = the chunk's gradients, then one had-a-gradient flag per slot."""
         chunk = self.chunks[index]
-        present = [False] * self.state.num_slots
-        present[chunk.first_slot : chunk.stop_slot] = payload[chunk.numel :].gt(0).tolist()
-        self.grad[chunk.start : chunk.stop] = payload[: chunk.numel]
-        self.state.apply(self.grad, step, present=present)
+        present = payload[chunk.numel :].gt(0).tolist()
+        self.state.apply_run(chunk.first_slot, payload[: chunk.numel], step, present)
 
     def _values(self, index: int) -> Tensor:
         chunk = self.chunks[index]

@@ -154,21 +154,35 @@ class ShardState:
         The slots' gradients go straight to :meth:`Updater.update_params_at` (torch's
         functional SGD/Adam over the slot views): the same bits as setting each slot's
         ``.grad`` and calling ``optimizer.step()``, without its per-call cost."""
-        if grad.shape != self.values.shape or grad.dtype != self.values.dtype:
+        self.apply_run(0, grad, step, [True] * self.num_slots if present is None else present)
+
+    def apply_run(self, first: int, grad: Tensor, step: int, present: Sequence[bool]) -> None:
+        """:meth:`apply` for the consecutive slots ``first … first + len(present) − 1``
+        only (``grad``: theirs, flat); every other slot is skipped. Its cost is that of
+        the run, whatever the shard's size.
+
+        Example:
+            >>> from gradsync.config import OptimConfig
+            >>> make = lambda ps: Updater(ps, OptimConfig(lr=0.5), lr=0.5)
+            >>> state = ShardState(torch.zeros(3), make, sizes=[1, 2])
+            >>> state.apply_run(1, torch.ones(2), step=0, present=[True])
+            >>> state.values.tolist()
+            [0.0, -0.5, -0.5]
+        """
+        stop = first + len(present)
+        sizes = self.sizes[first:stop]
+        if grad.numel() != sum(sizes) or grad.dim() != 1 or grad.dtype != self.values.dtype:
             raise ValueError(
-                f"a gradient of {tuple(grad.shape)} {grad.dtype} for values of "
-                f"{tuple(self.values.shape)} {self.values.dtype}"
+                f"a gradient of {tuple(grad.shape)} {grad.dtype} for slots {first}–{stop - 1} "
+                f"of {sum(sizes)} {self.values.dtype} values"
             )
-        pieces = (grad,) if self.num_slots == 1 else grad.split(self.sizes)
-        if present is None:
-            params, grads = self.slots, list(pieces)
-        else:
-            chosen = [
-                (slot, piece)
-                for slot, piece, here in zip(self.slots, pieces, present, strict=True)
-                if here
-            ]
-            params, grads = [slot for slot, _ in chosen], [piece for _, piece in chosen]
+        pieces = (grad,) if len(sizes) == 1 else grad.split(sizes)
+        chosen = [
+            (slot, piece)
+            for slot, piece, here in zip(self.slots[first:stop], pieces, present, strict=True)
+            if here
+        ]
+        params, grads = [slot for slot, _ in chosen], [piece for _, piece in chosen]
         self.updater.update_params_at(step, params, grads)
         self.num_updates += 1
 

@@ -376,6 +376,7 @@ class Hybrid(ServerStrategy):
         self.updater = context.make_updater([p for _, p in dense] or [self._placeholder])
         self._step = 0
         self._connected = False
+        self._finished = False  # after finish(): lookups read the own tables, untracked
         self._colocated: ColocatedServer | None = None
         self._to_load: dict[str, Tensor] | None = None
         if not self.sparse_names:
@@ -458,6 +459,8 @@ class Hybrid(ServerStrategy):
     ) -> None:
         """Forward pre-hook of the model: pull, in one round trip, the rows every table is
         predicted to read this step (:class:`~gradsync.comm.prefetch.RowPredictor`)."""
+        if self._finished:
+            return
         self._inputs = forward_indices(args, kwargs)
         if not self._connected:  # first step: every worker holds the same initial values
             return
@@ -468,7 +471,9 @@ class Hybrid(ServerStrategy):
     def _lookup(self, name: str, lookup: Tensor) -> None:
         """Forward pre-hook of a sparse lookup: note the rows it reads, and pull those of
         them not pulled yet this step (a wrong or missing prediction stays correct)."""
-        rows = torch.unique(lookup.detach().reshape(-1)).cpu()  # pulls name CPU indices
+        if self._finished:  # the validation pass: the worker's own tables, nothing to note
+            return
+        rows = torch.unique(lookup.detach().reshape(-1)).cpu().long()  # int64 CPU indices
         self._read.setdefault(name, []).append(rows)
         if not self._connected:
             return
@@ -651,6 +656,7 @@ class Hybrid(ServerStrategy):
             return
         self.client.done()
         self._connected = False  # no pull may wait on a server that has stopped
+        self._finished = True
         if self._colocated is not None:
             self._colocated.join(self.context.config.launch.timeout_s)
 

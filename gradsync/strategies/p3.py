@@ -59,6 +59,7 @@ from gradsync.comm.priority import (
     SendRecord,
     slice_reader,
 )
+from gradsync.comm.ready import ReadyOnce
 from gradsync.comm.server import (
     ColocatedServer,
     Piece,
@@ -227,6 +228,9 @@ class PriorityPropagation(ServerStrategy):
             )
         self._step = 0
         self._pushed: set[str] = set()
+        self._ready = ReadyOnce(
+            "p3", "--strategy ps --no-overlap (it reads gradients after backward)"
+        )
         self._lr = context.lr
         self._cond = threading.Condition()
         self._remaining: list[int] = []  # per layer: slices not yet back
@@ -287,6 +291,7 @@ class PriorityPropagation(ServerStrategy):
 
     def _on_gradient(self, name: str, param: nn.Parameter) -> None:
         """Backward hook: the gradient of ``name`` is complete — queue its slices now."""
+        self._ready.mark(name)
         grad = param.grad
         assert grad is not None
         flat = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
@@ -441,6 +446,7 @@ class PriorityPropagation(ServerStrategy):
             if name not in self._pushed:  # unused this step: the servers still expect it
                 self._enqueue(name, None)
         self._pushed.clear()
+        self._ready.reset()
         self._step += 1
         if self._step == self.context.config.steps:
             self._wait_for(None)

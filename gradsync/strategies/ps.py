@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from gradsync.comm.placement import POLICIES, Placement, Variable, plan_placement
 from gradsync.comm.pushpull import Chunk, Client, DenseServer, chunk_reader, plan_chunks
+from gradsync.comm.ready import ReadyOnce
 from gradsync.comm.server import (
     ColocatedServer,
     ServerMetrics,
@@ -82,7 +83,8 @@ class PSOptions(ServerOptions):
     )
     push_chunk_mb: float = option(
         4.0,
-        help="gradients per push message, per server (0: one push per variable)",
+        help="gradients per push message, per server (0: one per variable or partition of "
+        "one; --no-overlap: one per server)",
         metavar="MB",
         at_least=0,
     )
@@ -237,6 +239,7 @@ class ParameterServer(ServerStrategy):
             [{p.name for p in pieces[c.first_slot : c.stop_slot]} for c in chunks]
             for pieces, chunks in zip(self.pieces, self.chunks, strict=True)
         ]
+        self._ready = ReadyOnce("ps", "--no-overlap (push after backward)")
         self._chunks_of: dict[str, list[tuple[int, int]]] = {}
         for server, chunk_names in enumerate(self._waits_for):
             for index, names in enumerate(chunk_names):
@@ -254,9 +257,11 @@ class ParameterServer(ServerStrategy):
         self._missing = [[set(names) for names in chunks] for chunks in self._waits_for]
         self._next_push = [0] * self.num_servers
         self._grads: dict[str, Tensor] = {}
+        self._ready.reset()
 
     def _on_gradient(self, name: str) -> None:
         """``name``'s gradient is complete: push every chunk now ready, in chunk order."""
+        self._ready.mark(name)
         for server, index in self._chunks_of[name]:
             self._missing[server][index].discard(name)
             while self._next_is_complete(server):

@@ -131,21 +131,22 @@ class _Lookups(nn.Module):
         return loss
 
 
-def _inputs(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(step: int, worker: int, dtype: str = "int64") -> tuple[torch.Tensor, torch.Tensor]:
     ids, extra = INPUTS[step]
-    return torch.tensor(ids[worker]), torch.tensor(extra[worker])
+    kind = getattr(torch, dtype)
+    return torch.tensor(ids[worker], dtype=kind), torch.tensor(extra[worker], dtype=kind)
 
 
-def _train_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
+def _train_lookups(rank: int, world_size: int, hashed: bool, ids: str, out: str) -> dict:
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # exact comparison with the reference below
     try:
-        return _run_lookups(rank, world_size, hashed, out)
+        return _run_lookups(rank, world_size, hashed, ids, out)
     finally:
         torch.set_default_dtype(dtype)
 
 
-def _run_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
+def _run_lookups(rank: int, world_size: int, hashed: bool, ids_dtype: str, out: str) -> dict:
     torch.manual_seed(0)
     model = _Lookups(20, hashed)  # ids < 10: no input names a hashed row
     reference = copy.deepcopy(model)
@@ -171,14 +172,14 @@ def _run_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
     pulls = []
     for step in range(len(INPUTS)):
         before = strategy.client.num_pulls if strategy._connected else 0
-        ids, extra = _inputs(step, rank)
+        ids, extra = _inputs(step, rank, ids_dtype)
         module(ids, extra=extra).backward()
         pulls.append((strategy.client.num_pulls if strategy._connected else 0) - before)
         strategy.step()
     state = strategy.checkpoint_tensors()
     strategy.finish()
     with torch.no_grad():  # the validation pass after training: no pull, no wait
-        module(*_inputs(0, rank)[:1], extra=_inputs(0, rank)[1])
+        module(*_inputs(0, rank, ids_dtype)[:1], extra=_inputs(0, rank, ids_dtype)[1])
     tables = {n: p.detach().clone() for n, p in model.named_parameters()}
     # single: the mean of the workers' losses, torch's SGD on the sparse gradients.
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -191,11 +192,12 @@ def _run_lookups(rank: int, world_size: int, hashed: bool, out: str) -> dict:
     return {"pulls": pulls, "state": state, "expected": expected, "tables": tables}
 
 
-@pytest.mark.parametrize("hashed", [False, True])
+@pytest.mark.parametrize(("hashed", "ids"), [(False, "int64"), (True, "int64"), (False, "int32")])
 def test_one_pull_round_trip_per_step_and_single_s_parameters(
-    run_ranks, tmp_path, hashed: bool
+    run_ranks, tmp_path, hashed: bool, ids: str
 ) -> None:
-    results = run_ranks(2, _train_lookups, hashed, str(tmp_path))
+    """int32 ids (nn.Embedding takes them) pull and install rows like int64 ones."""
+    results = run_ranks(2, _train_lookups, hashed, ids, str(tmp_path))
     for worker in results:
         # Step 0 reads the initial tables (no pull). Later steps: one pull before the
         # forward for every table fed by an input; rows made inside the forward need a

@@ -9,6 +9,7 @@ tolerance it derives from that rerun must stay the plain 1e-9.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,11 @@ from tests.e2e.conftest import REPO, gradsync, verify_outcomes
 pytestmark = pytest.mark.slow
 
 SYNCHRONOUS = "ddp,allreduce,ps,ps:colocate,hybrid,p3"
-PER_VARIABLE_PUSHES = "ps:push_chunk_mb=0,ps:colocate:push_chunk_mb=0"  # overlap, one push each
+# Overlapped pushes, one per variable; the last also splits every variable over 2 servers.
+PER_VARIABLE_PUSHES = (
+    "ps:push_chunk_mb=0,ps:colocate:push_chunk_mb=0,"
+    "ps:servers=2:push_chunk_mb=0:partition_threshold_mb=0.0001"
+)
 ZOO = ["transformer", "lstm-lm", "resnet56", "vgg16", "mnist-cnn"]  # the P3 models: own file
 ADVERSARIAL = REPO / "tests" / "models" / "adversarial.py"
 
@@ -340,3 +345,25 @@ def test_local_batchnorm_is_an_expected_difference(workdir: Path) -> None:
             assert outcome["verdict"] == "differs (expected)", outcome
             assert "--batchnorm local" in outcome["reason"]
             assert outcome["max_abs"] > FLOAT64_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("strategy", "refused"),
+    [("allreduce", True), ("ps", True), ("p3", True), ("ps --no-overlap", False)],
+)
+def test_a_gradient_accumulated_twice_is_refused_where_hooks_send_it(
+    strategy: str, refused: bool, workdir: Path
+) -> None:
+    """Reentrant checkpointing accumulates a shared layer's gradient twice in one backward:
+    a strategy that sends from gradient hooks stops with the reason, never drops half."""
+    result = gradsync(
+        "train",
+        *("--model", f"{ADVERSARIAL}:build_reentrant", "--strategy", *strategy.split()),
+        *("--workers", "2", "--steps", "2", "--global-batch", "16", "--out", "run"),
+        cwd=workdir,
+    )
+    if refused:
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert re.search(r"'shared\.(weight|bias)' was accumulated twice in one", result.stderr)
+    else:
+        assert result.returncode == 0, result.stderr

@@ -81,7 +81,7 @@ RESUMED = {
     "single": ("--strategy", "single", "--workers", "1"),
     "ddp": ("--strategy", "ddp", "--workers", "2"),
     "allreduce": ("--strategy", "allreduce", "--workers", "2"),
-    "ps": ("--strategy", "ps", "--workers", "2", "--servers", "2"),
+    "ps": ("--strategy", "ps", "--workers", "2", "--servers", "2", "--push-chunk-mb", "0"),
     "ps-colocate": ("--strategy", "ps", "--workers", "2", "--colocate"),
     "hybrid": ("--strategy", "hybrid", "--workers", "2", "--model-option", "sparse=1"),
     "hybrid-colocate": (

@@ -109,3 +109,29 @@ def build_dense(seed: int = 0) -> tuple[nn.Module, TensorDataset, object]:
 def build_sparse(seed: int = 0) -> tuple[nn.Module, TensorDataset, object]:
     """The sparse adversary, its data and loss."""
     return _build(SparseAdversary(), seed)
+
+
+class ReentrantCheckpointed(nn.Module):
+    """A layer run inside a reentrant activation checkpoint and again outside it: its
+    gradient is accumulated twice in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(FEATURES + 1, FEATURES + 1)
+        self.shared = nn.Linear(FEATURES + 1, FEATURES + 1)
+        self.head = nn.Linear(FEATURES + 1, VOCAB)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        # A reentrant checkpoint passes gradients only if its input needs one: run a layer
+        # first, as any real model would.
+        h = self.first(x)
+        inner = checkpoint(lambda h: torch.tanh(self.shared(h)), h, use_reentrant=True)
+        return self.head(self.shared(inner))
+
+
+def build_reentrant(seed: int = 0) -> tuple[nn.Module, TensorDataset, object]:
+    """A shared layer under reentrant checkpointing (strategies that push from gradient
+    hooks must refuse it, not lose half its gradient)."""
+    return _build(ReentrantCheckpointed(), seed)
