@@ -206,17 +206,23 @@ def _bucketed_allreduce(
         duration, sent = _row_allgather(cluster, sparse, per_variable=sparse_per_variable)
         spans.append(Span(COMM_TRACK, "ALLGATHER sparse rows", start, duration))
         comm_free, moved = start + duration, moved + sent
-    backward_end = backward_start + profile.backward_s + shift
-    spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, backward_end - backward_start))
-    synced = max(backward_end, comm_free)
-    if comm_free > backward_end:
-        spans.append(Span(COMPUTE_TRACK, "COMM_WAIT", backward_end, comm_free - backward_end))
+    synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, comm_free)
     dense_bytes = sum(v.num_bytes for v in variables)
     copy_out = dense_bytes * profile.copy_s_per_byte
     update = (dense_bytes + sum(v.num_bytes for v in sparse)) * profile.optimizer_s_per_byte
     spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_FUSION_BUFFER", synced, copy_out))
     spans.append(Span(COMPUTE_TRACK, "OPTIMIZER_STEP", synced + copy_out, update))
     return synced + copy_out + update, spans, moved
+
+
+def _backward_then_wait(spans: list[Span], start: float, seconds: float, comm_done: float) -> float:
+    """Record backward (``seconds`` from ``start``) and the wait for communication that ends
+    at ``comm_done`` after it; return when both are over."""
+    end = start + seconds
+    spans.append(Span(COMPUTE_TRACK, "BACKWARD", start, seconds))
+    if comm_done > end:
+        spans.append(Span(COMPUTE_TRACK, "COMM_WAIT", end, comm_done - end))
+    return max(end, comm_done)
 
 
 def _row_allgather(
@@ -446,11 +452,7 @@ def _simulate_sync_ps(
             name = f"PULL server {chunk.server} chunk {chunk.index}"
             spans.append(Span(COMM_TRACK, name, now, back - now))
             done = max(done, back)
-    backward_end = backward_start + profile.backward_s + shift
-    spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, backward_end - backward_start))
-    synced = max(backward_end, done)
-    if done > backward_end:
-        spans.append(Span(COMPUTE_TRACK, "COMM_WAIT", backward_end, done - backward_end))
+    synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, done)
     total = sum(c.num_bytes for c in chunks)
     copy_out = total * profile.copy_s_per_byte
     spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_PULL_BUFFER", synced, copy_out))

@@ -31,14 +31,15 @@ class _Toy(nn.Module):
         return self.head(self.embedding(ids)).sum()
 
 
-def _train(rank: int, world_size: int, vocab: int, momentum: float, out: str) -> dict:
-    torch.manual_seed(0)
-    model = _Toy(vocab)
+def _hybrid(
+    model: nn.Module, rank: int, world_size: int, out: str, *, lr: float, momentum: float
+) -> tuple[Hybrid, nn.Module]:
+    """``model`` set up under colocated hybrid (2 partitions) on this rank."""
     config = TrainConfig(
         strategy="hybrid",
         workers=world_size,
         out=out,
-        optim=OptimConfig(lr=0.5, momentum=momentum),
+        optim=OptimConfig(lr=lr, momentum=momentum),
         strategy_options=HybridOptions(colocate=True, partitions=2),
     )
     context = Context(
@@ -49,10 +50,16 @@ def _train(rank: int, world_size: int, vocab: int, momentum: float, out: str) ->
         num_workers=world_size,
         device=torch.device("cpu"),
         worker_group=None,
-        make_updater=lambda ps: Updater(ps, config.optim, lr=0.5),
+        make_updater=lambda ps: Updater(ps, config.optim, lr=lr),
     )
     strategy = Hybrid()
-    module = strategy.setup(model, context)
+    return strategy, strategy.setup(model, context)
+
+
+def _train(rank: int, world_size: int, vocab: int, momentum: float, out: str) -> dict:
+    torch.manual_seed(0)
+    model = _Toy(vocab)
+    strategy, module = _hybrid(model, rank, world_size, out, lr=0.5, momentum=momentum)
     initial = model.embedding.weight.detach().clone()
     tables, sparse_bytes = [], []
     for _step, lookups in enumerate(LOOKUPS):
@@ -150,25 +157,7 @@ def _run_lookups(rank: int, world_size: int, hashed: bool, ids_dtype: str, out: 
     torch.manual_seed(0)
     model = _Lookups(20, hashed)  # ids < 10: no input names a hashed row
     reference = copy.deepcopy(model)
-    config = TrainConfig(
-        strategy="hybrid",
-        workers=world_size,
-        out=out,
-        optim=OptimConfig(lr=0.1, momentum=0.9),
-        strategy_options=HybridOptions(colocate=True, partitions=2),
-    )
-    context = Context(
-        config=config,
-        rank=rank,
-        world_size=world_size,
-        worker_index=rank,
-        num_workers=world_size,
-        device=torch.device("cpu"),
-        worker_group=None,
-        make_updater=lambda ps: Updater(ps, config.optim, lr=0.1),
-    )
-    strategy = Hybrid()
-    module = strategy.setup(model, context)
+    strategy, module = _hybrid(model, rank, world_size, out, lr=0.1, momentum=0.9)
     pulls = []
     for step in range(len(INPUTS)):
         before = strategy.client.num_pulls if strategy._connected else 0
