@@ -271,7 +271,7 @@ class Client(ServerLinks):
             self.send(server, header, [payload.clone()])
             return
         encoded = header.encode()
-        name = f"server {server} chunk {index}"
+        name = _chunk_name(server, index)
         size = nbytes(encoded) + nbytes(payload)
         self.timeline.begin(f"push to {name}", Phase.PUSH, tensor=name, bytes=size)
         self.timeline.begin(f"pull from {name}", Phase.PULL, tensor=name)
@@ -292,11 +292,11 @@ class Client(ServerLinks):
         for server, index, works in self._pushes:
             for work in works:
                 work.wait()
-            self.timeline.end(f"push to server {server} chunk {index}", Phase.PUSH)
+            self.timeline.end(f"push to {_chunk_name(server, index)}", Phase.PUSH)
         for server, index, header, works in self._pulls:
             for work in works:
                 work.wait()
-            self.timeline.end(f"pull from server {server} chunk {index}", Phase.PULL)
+            self.timeline.end(f"pull from {_chunk_name(server, index)}", Phase.PULL)
             self.lr = Header.decode(header).lr
         return self._sent, self._received
 
@@ -318,6 +318,11 @@ class Client(ServerLinks):
             for index in range(len(server_chunks)):
                 self.push(server, index)
         return self.finish()
+
+
+def _chunk_name(server: int, index: int) -> str:
+    """A chunk's name on its timeline tracks (push and pull)."""
+    return f"server {server} chunk {index}"
 
 
 __all__ = ["Chunk", "Client", "DenseServer", "chunk_reader", "plan_chunks"]

@@ -370,21 +370,19 @@ class _PushChunk:
 
 
 def plan_ps_chunks(profile: Profile, servers: int, options: PSOptions) -> list[_PushChunk]:
-    """The chunks ``ps`` pushes, planned as its workers plan them: each server's pieces in
-    gradient-ready order (last layer first), cut by :func:`~gradsync.comm.pushpull.
-    plan_chunks`; a chunk leaves after the one before it on its server."""
-    from gradsync.comm.pushpull import plan_chunks
+    """The chunks ``ps`` pushes, planned by its workers' own
+    :func:`~gradsync.strategies.ps.push_layout`; a chunk leaves after the one before it on
+    its server."""
+    from gradsync.strategies.ps import push_layout
 
     variables = {v.name: v for v in profile.variables}
-    order = {v.name: -index for index, v in enumerate(profile.variables)}
     element = profile.variables[0].element_size if profile.variables else 4
-    chunk_values = int(options.push_chunk_mb * 2**20) // element if options.overlap else None
     placement = _ps_placement(profile, servers, options)
+    names = [v.name for v in profile.variables]
+    layout, plans = push_layout(placement, names, options, element)
     chunks = []
-    for server in range(servers):
-        pieces = sorted(placement.on_server(server), key=lambda p: (order[p.name], p.start))
+    for server, (pieces, plan) in enumerate(zip(layout, plans, strict=True)):
         ready = 0.0
-        plan = plan_chunks([p.numel for p in pieces], chunk_values)
         for index, chunk in enumerate(plan):
             members = pieces[chunk.first_slot : chunk.stop_slot]
             ready = max(ready, *(variables[p.name].grad_ready_s for p in members))

@@ -227,7 +227,6 @@ class PriorityPropagation(ServerStrategy):
                 lambda p, name=name: self._on_gradient(name, p)
             )
         self._step = 0
-        self._pushed: set[str] = set()
         self._ready = ReadyOnce(
             "p3", "--strategy ps --no-overlap (it reads gradients after backward)"
         )
@@ -307,7 +306,6 @@ class PriorityPropagation(ServerStrategy):
         slices = self.slices_of[name]
         with self._cond:
             self._remaining[layer] += len(slices)
-        self._pushed.add(name)
         for s in slices:
             self.sender.put((s, self._step, layer, flat_grad), layer)
 
@@ -443,9 +441,8 @@ class PriorityPropagation(ServerStrategy):
         """After backward: tell the servers which parameters had no gradient; on the last
         step, wait for every slice (the checkpoint and the caller see the final parameters)."""
         for name in self.params:
-            if name not in self._pushed:  # unused this step: the servers still expect it
+            if name not in self._ready.seen:  # unused this step: the servers still expect it
                 self._enqueue(name, None)
-        self._pushed.clear()
         self._ready.reset()
         self._step += 1
         if self._step == self.context.config.steps:

@@ -27,6 +27,7 @@ is the ``hybrid`` strategy's.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from gradsync.comm.pushpull import Chunk, Client, DenseServer, chunk_reader, pla
 from gradsync.comm.ready import ReadyOnce
 from gradsync.comm.server import (
     ColocatedServer,
+    Piece,
     ServerMetrics,
     ShardState,
     adopt_initial,
@@ -150,22 +152,8 @@ class ParameterServer(ServerStrategy):
                 f"{where}):\n{self.placement.describe()}",
                 flush=True,
             )
-        ready_order = {name: -index for index, name in enumerate(initial)}  # last layer first
-        self.pieces = [
-            lay_out(
-                [
-                    (p.name, p.start, p.stop)
-                    for p in sorted(
-                        self.placement.on_server(s), key=lambda p: (ready_order[p.name], p.start)
-                    )
-                ]
-            )
-            for s in range(self.num_servers)
-        ]
-        chunk_values = _chunk_values(options, initial)
-        self.chunks = [
-            plan_chunks([p.numel for p in pieces], chunk_values) for pieces in self.pieces
-        ]
+        element = next(iter(initial.values())).element_size() if initial else 4
+        self.pieces, self.chunks = push_layout(self.placement, list(initial), options, element)
         return initial
 
     def _server(self, server: int, initial: dict[str, Tensor], local_worker: int | None):
@@ -349,12 +337,37 @@ def _plan(config: TrainConfig, params: dict[str, Tensor]) -> Placement:
         raise UserError(f"model '{config.model}' ({config.preset}): {error}") from None
 
 
-def _chunk_values(options: PSOptions, initial: dict[str, Tensor]) -> int | None:
-    """Values per push chunk: None (one chunk per server) without overlap."""
-    if not options.overlap:
-        return None
-    element = next(iter(initial.values())).element_size() if initial else 4
-    return int(options.push_chunk_mb * 2**20) // element
+def push_layout(
+    placement: Placement, model_order: Sequence[str], options: PSOptions, element_size: int
+) -> tuple[list[list[Piece]], list[list[Chunk]]]:
+    """Each server's pieces, laid out in the order backward completes their gradients (last
+    layer first), and the chunks its workers push them in (one per server without
+    overlap). ``gradsync predict`` plans ``ps`` with it too.
+
+    Example:
+        >>> placement = plan_placement(
+        ...     [Variable("a", 3, 4), Variable("b", 5, 4)], num_servers=1, policy="greedy",
+        ...     threshold_bytes=1 << 20)
+        >>> pieces, chunks = push_layout(placement, ["a", "b"], PSOptions(push_chunk_mb=0), 4)
+        >>> [p.name for p in pieces[0]], [(c.start, c.stop) for c in chunks[0]]
+        (['b', 'a'], [(0, 5), (5, 8)])
+    """
+    ready_order = {name: -index for index, name in enumerate(model_order)}
+    chunk_values = None
+    if options.overlap:
+        chunk_values = int(options.push_chunk_mb * 2**20) // element_size
+    pieces = [
+        lay_out(
+            [
+                (p.name, p.start, p.stop)
+                for p in sorted(
+                    placement.on_server(s), key=lambda p: (ready_order[p.name], p.start)
+                )
+            ]
+        )
+        for s in range(placement.num_servers)
+    ]
+    return pieces, [plan_chunks([p.numel for p in run], chunk_values) for run in pieces]
 
 
 def _dense_grad(param: nn.Parameter) -> Tensor:
