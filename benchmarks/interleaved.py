@@ -3,7 +3,9 @@
 Each round runs every variant once, in order (A, B, C, A, B, C, …), so load on a shared
 machine hits them alike; the table shows the median and min–max over rounds of each run's
 samples/s, its median ratio to the first variant (taken within each round), bytes sent per
-step per worker, and the 1-minute load average before each run. Every variant gets the
+step per worker, the CPU seconds every process of the job used per step (all threads: the
+cores a variant keeps busy, whatever its wall time), and the 1-minute load average before
+each run. Every variant gets the
 common arguments, so they run the same workload; the script prints them.
 
     python benchmarks/interleaved.py --rounds 3 \\
@@ -69,6 +71,7 @@ def main() -> None:
             )
     rates: dict[str, list[float]] = {name: [] for name in variants}
     sent: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     loads: list[float] = []
     for round_ in range(args.rounds):
         for name, extra in variants.items():
@@ -76,15 +79,18 @@ def main() -> None:
             summary = run([*common, *shlex.split(extra)], Path(args.out) / f"{name}-r{round_}")
             rates[name].append(summary["throughput"]["median"])
             sent[name].append(summary["bytes_sent_per_step"])
+            cpu[name].append(summary.get("cpu_s_per_step", float("nan")))
             print(f"round {round_ + 1} {name}: {rates[name][-1]:.2f} samples/s", flush=True)
     first = next(iter(variants))
     print(f"\n{args.rounds} interleaved rounds; load average {spread(loads)}")
-    print(f"{'variant':28} {'samples/s median (min–max)':>30} {'vs ' + first:>10} {'MB/step':>9}")
+    columns = ["samples/s median (min–max)", f"vs {first}", "MB/step", "CPU ms/step"]
+    print(f"{'variant':28} {columns[0]:>30} {columns[1]:>10} {columns[2]:>9} {columns[3]:>12}")
     for name in variants:
         ratio = statistics.median(a / b for a, b in zip(rates[name], rates[first], strict=True))
         print(
             f"{name:28} {spread(rates[name], 2):>30} {ratio:>9.2f}× "
-            f"{statistics.median(sent[name]) / 1e6:>9.3f}"
+            f"{statistics.median(sent[name]) / 1e6:>9.3f} "
+            f"{statistics.median(cpu[name]) * 1e3:>12.1f}"
         )
 
 

@@ -23,7 +23,10 @@ SUMMARY_FILE = "summary.json"
 
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
-    """What one rank measured in one step. Bytes and exposed time are this step's deltas."""
+    """What one rank measured in one step. Bytes and exposed time are this step's deltas;
+    ``cpu_s`` is the CPU time its process used in the step, every thread counted (a
+    colocated server's, the transport's), so CPU seconds over step seconds shows how many
+    cores the rank kept busy."""
 
     step: int
     rank: int
@@ -34,6 +37,7 @@ class StepRecord:
     bytes_recv: int
     exposed_comm_s: float
     lr: float
+    cpu_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +45,9 @@ class ServerRecord:
     """What one parameter server did for one step: bytes pushed to it and pulled from it.
 
     Written to ``metrics/server<rank>.jsonl`` (apart from the workers' lines, so throughput
-    and loss come from workers only); ``busy_s`` is the time spent applying updates.
+    and loss come from workers only); ``busy_s`` is the time spent applying updates,
+    ``cpu_s`` the CPU time of the server's process since its previous record (a colocated
+    server's process is its worker's, whose records already count it).
     """
 
     step: int
@@ -51,6 +57,7 @@ class ServerRecord:
     bytes_sent: int
     busy_s: float
     step_time_s: float
+    cpu_s: float = 0.0
 
 
 class MetricsWriter:
@@ -149,8 +156,10 @@ def summarize(
     """Write ``summary.json``: throughput after warm-up, loss curve, bytes per step and rank.
 
     The job's step time is the slowest worker's step time; loss is the mean over workers
-    (equal shards, so it is the global-batch loss). Only this run's ranks are read: the
-    workers of ``run_info["workers"]`` and, for servers, the ranks below ``world_size``.
+    (equal shards, so it is the global-batch loss). ``cpu_s_per_step`` is the CPU time of
+    every process of the job per step: the workers' (colocated servers included) and the
+    dedicated servers'. Only this run's ranks are read: the workers of
+    ``run_info["workers"]`` and, for servers, the ranks below ``world_size``.
     """
     workers = int(run_info["workers"])
     records = read_records(out_dir, range(workers))
@@ -167,6 +176,7 @@ def summarize(
             "exposed_comm_s_per_step": _mean(
                 r["exposed_comm_s"] for r in lines if r["step"] in measured
             ),
+            "cpu_s_per_step": _mean(r.get("cpu_s", 0.0) for r in lines if r["step"] in measured),
         }
         for rank, lines in records.items()
     }
@@ -177,6 +187,7 @@ def summarize(
         "loss": losses,
         "final_loss": losses[-1],
         "bytes_sent_per_step": _mean(v["bytes_sent_per_step"] for v in per_rank.values()),
+        "cpu_s_per_step": sum(v["cpu_s_per_step"] for v in per_rank.values()),
         "ranks": per_rank,
     }
     servers = read_records(out_dir, range(world_size or workers), "server")
@@ -188,9 +199,15 @@ def summarize(
                     f"{key}_per_step": _mean(r[key] for r in lines if r["step"] in measured)
                     for key in ("bytes_recv", "bytes_sent", "busy_s")
                 },
+                "cpu_s_per_step": _mean(
+                    r.get("cpu_s", 0.0) for r in lines if r["step"] in measured
+                ),
             }
             for rank, lines in servers.items()
         }
+        summary["cpu_s_per_step"] += sum(  # dedicated servers' processes (colocated: counted)
+            v["cpu_s_per_step"] for rank, v in summary["servers"].items() if int(rank) >= workers
+        )
     atomic_write_text(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
 

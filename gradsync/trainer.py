@@ -51,7 +51,7 @@ def train(
     for step in range(first_step, config.steps):
         beat("forward", step)
         timeline.start_step(step)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         batch = workload.dataset.batch(step=step, size=global_batch, start=start, stop=stop)
         batch = batch.to(context.device, torch.get_default_dtype())
         with timeline.span(COMPUTE, Phase.FORWARD):
@@ -79,6 +79,7 @@ def train(
                 bytes_recv=after.bytes_recv - before.bytes_recv,
                 exposed_comm_s=after.exposed_comm_s - before.exposed_comm_s,
                 lr=strategy.current_lr(),
+                cpu_s=time.process_time() - cpu_started,
             )
         )
         before = after

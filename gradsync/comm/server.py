@@ -373,7 +373,8 @@ class ServerMetrics:
     """Per-step tallies of one server, written as one ``ServerRecord`` per finished step.
 
     ``write`` receives each record (a :class:`~gradsync.metrics.MetricsWriter`'s ``write``,
-    or a list's ``append`` in tests); ``step_time_s`` is the time since the last record.
+    or a list's ``append`` in tests); ``step_time_s`` and ``cpu_s`` are the wall and process
+    CPU time since the last record.
     """
 
     rank: int = 0
@@ -381,6 +382,7 @@ class ServerMetrics:
     write: Callable[[ServerRecord], None] = lambda record: None
     tallies: dict[int, Tally] = field(default_factory=dict)
     last: float = field(default_factory=time.perf_counter)
+    last_cpu: float = field(default_factory=time.process_time)
     close: Callable[[], None] = lambda: None
 
     @classmethod
@@ -407,7 +409,7 @@ class ServerMetrics:
     def finish(self, step: int) -> None:
         """``step`` is complete on this server: write its record."""
         tally = self.tallies.pop(step, Tally())
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.write(
             ServerRecord(
                 step=step,
@@ -417,9 +419,10 @@ class ServerMetrics:
                 bytes_sent=tally.bytes_sent,
                 busy_s=tally.busy_s,
                 step_time_s=now - self.last,
+                cpu_s=cpu - self.last_cpu,
             )
         )
-        self.last = now
+        self.last, self.last_cpu = now, cpu
 
 
 # -- the loop -----------------------------------------------------------------------------

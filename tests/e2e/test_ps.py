@@ -64,6 +64,11 @@ def test_sync_ps_matches_single(model: str, workdir: Path) -> None:
     summary = json.loads((out / f"ps-servers2-w{workers[-1]}" / "summary.json").read_text())
     assert len(summary["servers"]) == 2
     assert all(s["bytes_recv_per_step"] > 0 for s in summary["servers"].values())
+    # CPU per step: every worker's process, then the dedicated servers' on top.
+    workers_cpu = sum(r["cpu_s_per_step"] for r in summary["ranks"].values())
+    servers_cpu = sum(s["cpu_s_per_step"] for s in summary["servers"].values())
+    assert workers_cpu > 0 and servers_cpu > 0
+    assert summary["cpu_s_per_step"] == pytest.approx(workers_cpu + servers_cpu)
 
 
 def test_async_and_stale_runs_learn_and_are_reported_as_asynchronous(workdir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from gradsync.metrics import (
     SUMMARY_FILE,
     MetricsWriter,
+    ServerRecord,
     StepRecord,
     load_summary,
     read_records,
@@ -136,7 +138,15 @@ def test_throughput_is_frozen():
 
 
 def _record(
-    step: int, rank: int, *, time: float, loss: float, sent: int, recv: int, exposed: float
+    step: int,
+    rank: int,
+    *,
+    time: float,
+    loss: float,
+    sent: int,
+    recv: int,
+    exposed: float,
+    cpu: float = 0.0,
 ) -> dict:
     return {
         "step": step,
@@ -148,6 +158,7 @@ def _record(
         "bytes_recv": recv,
         "exposed_comm_s": exposed,
         "lr": 0.1,
+        "cpu_s": cpu,
     }
 
 
@@ -174,6 +185,7 @@ def test_summarize_uses_slowest_rank_mean_loss_and_measured_bytes(tmp_path):
             sent=10_000 if s < 2 else 100 + s,
             recv=200,
             exposed=0.5 if s < 2 else 0.1,
+            cpu=5.0 if s < 2 else 0.25,
         )
         for s, t in enumerate(rank0_times)
     ]
@@ -186,6 +198,7 @@ def test_summarize_uses_slowest_rank_mean_loss_and_measured_bytes(tmp_path):
             sent=10_000 if s < 2 else 300,
             recv=400 + s,
             exposed=0.3,
+            cpu=5.0 if s < 2 else 0.5,
         )
         for s, t in enumerate(rank1_times)
     ]
@@ -213,15 +226,55 @@ def test_summarize_uses_slowest_rank_mean_loss_and_measured_bytes(tmp_path):
         "bytes_sent_per_step": 104.0,
         "bytes_recv_per_step": 200.0,
         "exposed_comm_s_per_step": pytest.approx(0.1),
+        "cpu_s_per_step": 0.25,
     }
     assert ranks[1] == {
         "bytes_sent_per_step": 300.0,
         "bytes_recv_per_step": 404.0,
         "exposed_comm_s_per_step": pytest.approx(0.3),
+        "cpu_s_per_step": 0.5,
     }
     assert summary["bytes_sent_per_step"] == 202.0
+    assert summary["cpu_s_per_step"] == 0.75  # every worker's process, warm-up left out
     assert json.loads((tmp_path / SUMMARY_FILE).read_text()) == json.loads(json.dumps(summary))
     assert load_summary(tmp_path)["final_loss"] == 6.5
+
+
+def test_summarize_counts_dedicated_servers_cpu_once(tmp_path):
+    # 2 workers (rank 1 also runs a colocated server) and a dedicated server on rank 2.
+    for rank in (0, 1):
+        _write_rank(
+            tmp_path,
+            rank,
+            [
+                _record(s, rank, time=1.0, loss=1.0, sent=0, recv=0, exposed=0.0, cpu=0.5)
+                for s in range(4)
+            ],
+        )
+    for rank, cpu in ((1, 0.5), (2, 0.125)):  # rank 1's server record is its worker's process
+        lines = [
+            json.dumps(
+                asdict(
+                    ServerRecord(
+                        step=s,
+                        rank=rank,
+                        server=rank - 1,
+                        bytes_recv=0,
+                        bytes_sent=0,
+                        busy_s=0.0,
+                        step_time_s=1.0,
+                        cpu_s=cpu,
+                    )
+                )
+            )
+            for s in range(4)
+        ]
+        (tmp_path / "metrics" / f"server{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    summary = summarize(
+        tmp_path, global_batch=2, measure_warmup=1, run_info={"workers": 2}, world_size=3
+    )
+    assert summary["servers"][2]["cpu_s_per_step"] == 0.125
+    assert summary["cpu_s_per_step"] == 1.125  # 0.5 + 0.5 + the dedicated server's 0.125
 
 
 def test_summarize_default_warmup_and_many_ranks(tmp_path):
