@@ -26,6 +26,12 @@ functions, so a knob means the same thing here as in ``gradsync train``:
   only for layer i's slices. Simulated event by event over three steps (the last is the
   steady state).
 
+Links are full duplex unless the network says otherwise: where pushes and pulls crossing
+a link both ways at once were measured slower (``Network.bidirectional_slowdown``, emulated
+hosts), ``ps`` and ``p3`` transfers also hold the opposite direction for part of their time.
+Where the hosts share cores (``Cluster.shared_cores``) the CPU time of communication and of
+the servers that overlaps compute lengthens it (:func:`shared_core_stretch`).
+
 Links are modelled as first-come-first-served pipes (a transfer holds a host's outbound
 and the peer's inbound pipe for bytes/rate); concurrent messages of symmetric workers are
 summed on the link they share.
@@ -814,6 +820,7 @@ def _p3_transfers(
     server_out = [_Pipe() for _ in range(cluster.servers)]
     server_cpu = [_Pipe() for _ in range(cluster.servers)]
     per_byte_apply = profile.aggregate_s_per_byte * workers + profile.apply_s_per_byte
+    reverse = net.bidirectional_slowdown - 1.0
     arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
     waiting: list[tuple[int, int, _SliceJob]] = []
     in_flight: list[float] = []
@@ -831,24 +838,19 @@ def _p3_transfers(
             next_arrival += 1
         job = heapq.heappop(waiting)[2]
         s = job.server
-        pushed = (
-            max(
-                worker_out.hold(now, out_factor * job.num_bytes / net.rate),
-                server_in[s].hold(now, remote[s] * job.num_bytes / net.rate),
-            )
-            + net.hop_s
-        )
+        out_s, in_s = out_factor * job.num_bytes / net.rate, remote[s] * job.num_bytes / net.rate
+        pushed = max(worker_out.hold(now, out_s), server_in[s].hold(now, in_s)) + net.hop_s
+        if reverse > 0:  # not fully duplex: the other direction is held (d − 1)·t too
+            worker_in.hold(now, reverse * out_s)
+            server_out[s].hold(now, reverse * in_s)
         heapq.heappush(in_flight, pushed)
         applied = server_cpu[s].hold(
             pushed, job.num_bytes * per_byte_apply + profile.server_round_s
         )
-        back = (
-            max(
-                server_out[s].hold(applied, remote[s] * job.num_bytes / net.rate),
-                worker_in.hold(applied, out_factor * job.num_bytes / net.rate),
-            )
-            + net.hop_s
-        )
+        back = max(server_out[s].hold(applied, in_s), worker_in.hold(applied, out_s)) + net.hop_s
+        if reverse > 0:
+            server_in[s].hold(applied, reverse * in_s)
+            worker_out.hold(applied, reverse * out_s)
         spans.append(Span(COMM_TRACK, f"PUSH layer{job.layer}", now, pushed - now))
         layer_ready[job.layer] = max(layer_ready[job.layer], back)
     return layer_ready
