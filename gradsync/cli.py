@@ -493,17 +493,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
-    from gradsync.commbench import DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, OPS
+    from gradsync.commbench import DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, DEFAULT_OPS, OPS
 
     bench = commands.add_parser(
         "commbench",
         help="collective bandwidth vs message size (nccl-tests style)",
-        description="Time allreduce, reduce, broadcast, allgather and p2p (rank 0 → 1) over "
-        "message sizes; report time, algorithm and bus bandwidth (nccl-tests definitions).",
+        description="Time allreduce, reduce, broadcast, allgather, p2p (rank 0 → 1) and "
+        "exchange (ranks r and r + n/2 send to each other at once) over message sizes; report "
+        "time, algorithm and bus bandwidth (nccl-tests definitions) and each rank's CPU time.",
     )
     bench.add_argument("--workers", type=_positive_int, default=2, help="ranks (default 2)")
     bench.add_argument(
-        "--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}"
+        "--ops",
+        default=",".join(DEFAULT_OPS),
+        help=f"comma-separated subset of {','.join(OPS)} (default: all but exchange)",
     )
     bench.add_argument("--min-bytes", default=str(DEFAULT_MIN_BYTES), help="e.g. 4K (default)")
     bench.add_argument("--max-bytes", default=str(DEFAULT_MAX_BYTES), help="e.g. 256M (default)")

@@ -14,7 +14,13 @@ allgather   (n−1)/n          the gathered tensor (each rank contributes size/n
 reduce      1                the tensor on each rank (to rank 0)
 broadcast   1                the tensor (from rank 0)
 p2p         1                the tensor rank 0 sends to rank 1
+exchange    1                the tensor ranks r and r + n/2 send each other at once
 =========== ================ ===============================================
+
+``exchange`` (on request) shows whether a link carries both directions at full rate: on a
+full-duplex link it takes as long as ``p2p``. Every row also has ``cpu_s``: the ranks' mean
+process CPU time (every thread, user and system) per operation, what moving the bytes costs
+the CPU.
 
 Ranks are started by the usual launcher (:func:`gradsync.launch.launch_local`) with a job of
 ``kind = "commbench"``; they run on loopback or on emulated hosts (``--hosts``).
@@ -63,11 +69,13 @@ def busbw_factor(op: str, world_size: int) -> float:
         "reduce": 1.0,
         "broadcast": 1.0,
         "p2p": 1.0,
+        "exchange": 1.0,
     }
     return factors[op]
 
 
-OPS = ("allreduce", "reduce", "broadcast", "allgather", "p2p")
+OPS = ("allreduce", "reduce", "broadcast", "allgather", "p2p", "exchange")
+DEFAULT_OPS = OPS[:-1]  # exchange on request (predict's calibration of full duplex)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
 
@@ -113,7 +121,7 @@ class CommbenchConfig:
 
     kind: str = "commbench"
     workers: int = 2
-    ops: tuple[str, ...] = OPS
+    ops: tuple[str, ...] = DEFAULT_OPS
     sizes: tuple[int, ...] = tuple(size_sweep(DEFAULT_MIN_BYTES, DEFAULT_MAX_BYTES, 2))
     warmup_iters: int = 5
     iters: int = 20
@@ -235,6 +243,18 @@ def _operation(op: str, size: int, rank: int, world_size: int) -> tuple[Callable
         return lambda: dist.reduce(tensor, dst=0), moved
     if op == "broadcast":
         return lambda: dist.broadcast(tensor, src=0), moved
+    if op == "exchange":  # rank r and r ± n/2 send to each other at once: both directions
+        incoming = torch.empty_like(tensor)
+        half = world_size // 2
+        peer = rank + half if rank < half else rank - half
+        if peer >= 2 * half:  # the odd rank out waits at the barriers
+            return lambda: None, moved
+
+        def exchange() -> None:
+            for work in (dist.isend(tensor, peer), dist.irecv(incoming, peer)):
+                work.wait()
+
+        return exchange, moved
     # p2p: rank 0 sends to rank 1; the other ranks wait at the barriers.
     if rank == 0:
         return lambda: dist.send(tensor, dst=1), moved
@@ -252,6 +272,16 @@ def _slowest(seconds: float) -> float:
     return float(value.item())
 
 
+def _mean(seconds: float) -> float:
+    """``seconds`` averaged over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value)
+    return float(value.item()) / dist.get_world_size()
+
+
 def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -267,10 +297,11 @@ def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[
     for _ in range(warmup - 1):
         run()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(iters):
         run()
     seconds = _slowest(time.perf_counter() - start) / iters
+    cpu_s = _mean((time.process_time() - cpu_start) / iters)
     factor = busbw_factor(op, env.world_size)
     algbw = moved / seconds
     return {
@@ -283,6 +314,7 @@ def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[
         "algbw_Bps": algbw,
         "busbw_factor": factor,
         "busbw_Bps": algbw * factor,
+        "cpu_s": cpu_s,
     }
 
 

@@ -97,6 +97,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="fit per-message cost and usable bandwidth share to a `gradsync commbench` run",
     )
     predict.add_argument(
+        "--shared-cores",
+        type=_positive,
+        metavar="C",
+        help="every host's ranks run on the same C cores (hosts emulated on one machine): "
+        "communication's and servers' CPU time that overlaps compute lengthens it; its cost "
+        "comes from --calibrate (a commbench.json with cpu_s). Default: a real cluster",
+    )
+    predict.add_argument(
         "--compute-speedup",
         type=float,
         default=1.0,
@@ -194,6 +202,7 @@ EXPERIMENT_KEYS = {
     "bandwidth",
     "latency",
     "ranks_per_host",
+    "shared_cores",
     "servers",
     "colocate",
     "out",
@@ -254,7 +263,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if not networks:
         raise UserError("--bandwidth lists no rate; e.g. --bandwidth 1gbit,10gbit")
     first = next(iter(networks.values()))
-    base = Cluster(workers=1, network=first, ranks_per_host=args.ranks_per_host)
+    shared = getattr(args, "shared_cores", None)
+    base = Cluster(
+        workers=1, network=first, ranks_per_host=args.ranks_per_host, shared_cores=shared
+    )
     started = time.perf_counter()
     refused: list[str] = []
     points = predict_grid(
@@ -273,7 +285,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         names = [choice.name for choice in choices]
         for label, network in networks.items():
             cluster = Cluster(
-                workers=max(workers), network=network, ranks_per_host=args.ranks_per_host
+                workers=max(workers),
+                network=network,
+                ranks_per_host=args.ranks_per_host,
+                shared_cores=shared,
             )
             recommendations.append(
                 recommend(profile, names, cluster, label, batchnorm=args.batchnorm)
@@ -286,6 +301,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         "bandwidths": list(networks),
         "latency_s": latency,
         "ranks_per_host": args.ranks_per_host,
+        "shared_cores": shared,
         "calibrate": args.calibrate,
         "compute_speedup": args.compute_speedup,
         "batchnorm": args.batchnorm,

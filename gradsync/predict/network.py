@@ -72,17 +72,33 @@ def parse_latency(text: str) -> float:
 class Network:
     """Per-host link: ``bandwidth`` bytes/s each way, ``latency`` s one way, software
     overhead ``message_s`` per message; ``efficiency`` scales the usable bandwidth (the
-    share of the nominal rate a calibration measured)."""
+    share of the nominal rate a calibration measured). ``cpu_s_per_byte`` and
+    ``cpu_s_per_message``: the CPU time (both ends together) that moving one byte and one
+    message between two ranks costs; it only matters on a cluster whose hosts share cores
+    (:attr:`Cluster.shared_cores`), and is measured by :func:`calibrate`.
+    ``bidirectional_slowdown``: how many times longer two equal point-to-point transfers
+    (a push, a pull) take when they cross a link in opposite directions at once than one
+    alone: 1 on a full-duplex network (the default), up to 2 where the directions take
+    turns; measured by commbench's ``exchange`` against ``p2p`` (:func:`calibrate`). Ring
+    collectives keep the rate their own calibration measured."""
 
     bandwidth: float
     latency: float = 0.0
     message_s: float = 0.0
     efficiency: float = 1.0
     intra_bandwidth: float | None = None
+    cpu_s_per_byte: float = 0.0
+    cpu_s_per_message: float = 0.0
+    bidirectional_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise UserError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not 1.0 <= self.bidirectional_slowdown <= 2.0:
+            raise UserError(
+                "bidirectional slowdown must be between 1 (full duplex) and 2 (the directions "
+                f"take turns), got {self.bidirectional_slowdown}"
+            )
 
     @property
     def rate(self) -> float:
@@ -106,7 +122,10 @@ class Cluster:
     ``servers`` dedicated server ranks each get a host of their own unless
     ``host_of_server`` says where they run; ``colocate`` runs server s inside worker s.
     ``host_of_worker``/``host_of_server`` pin ranks to hosts explicitly (validation on
-    emulated hosts uses :func:`gradsync.netem.place_ranks`).
+    emulated hosts uses :func:`gradsync.netem.place_ranks`). ``shared_cores``: every
+    host's ranks run on the same this many CPU cores (hosts emulated on one machine), so
+    communication's and servers' CPU time that overlaps compute lengthens it; None (a real
+    cluster): communication and servers cost the workers no compute.
     """
 
     workers: int
@@ -116,6 +135,11 @@ class Cluster:
     colocate: bool = False
     host_of_worker: tuple[int, ...] | None = None
     host_of_server: tuple[int, ...] | None = None
+    shared_cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shared_cores is not None and self.shared_cores < 1:
+            raise UserError(f"shared cores must be a positive integer, got {self.shared_cores}")
 
     def with_servers(self, servers: int, *, colocate: bool = False) -> Cluster:
         """The same hosts with another server layout (explicit server hosts dropped)."""
@@ -205,7 +229,67 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     if payload.get("bandwidth") and slope > 0:
         nominal = parse_bandwidth(payload["bandwidth"])
         efficiency = min(1.0, (2 * (n - 1) / n) / slope / nominal)
-    return replace(network, latency=0.0, message_s=hop, efficiency=efficiency)
+    network = replace(network, latency=0.0, message_s=hop, efficiency=efficiency)
+    if all("cpu_s" in r for r in rows):
+        network = calibrate_cpu(network, path)
+    ops = {r.get("op") for r in payload["results"]}
+    return calibrate_duplex(network, path) if {"p2p", "exchange"} <= ops else network
+
+
+def calibrate_cpu(network: Network, commbench_path: str | Path) -> Network:
+    """``network`` with the CPU cost of communication measured by ``gradsync commbench``.
+
+    commbench records each rank's process CPU time (user + system, every thread: Gloo's
+    copies, its socket calls and the kernel's send and receive work done in them) per
+    allreduce. A ring allreduce of S bytes on n ranks sends ``2(n−1)·S`` bytes and
+    ``2n(n−1)`` messages over all ranks; the per-rank CPU line ``c = a + b·S`` (fitted as
+    :func:`calibrate` fits time) gives the whole job's CPU per byte moved
+    ``n·b / (2(n−1))`` and per message ``a / (2(n−1))``. Softirq work the kernel does
+    outside the ranks' own time is not in it.
+
+    Example:
+        >>> # calibrate_cpu(Network(bandwidth=125e6), "calibration/1gbit/commbench.json")
+    """
+    path = Path(commbench_path)
+    try:
+        payload: dict[str, Any] = json.loads(path.read_text())
+        rows = [r for r in payload["results"] if r["op"] == "allreduce" and "cpu_s" in r]
+        n = int(payload["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{path}: not a commbench.json ({error})") from None
+    if len(rows) < 2 or n < 2:
+        raise UserError(
+            f"{path}: needs allreduce CPU times (cpu_s) at two or more sizes on 2+ ranks; "
+            "measure them with this version's `gradsync commbench --ops allreduce`"
+        )
+    slope, intercept = _two_regime_line([(r["bytes"], r["cpu_s"]) for r in rows])
+    return replace(
+        network,
+        cpu_s_per_byte=max(0.0, n * slope / (2 * (n - 1))),
+        cpu_s_per_message=max(0.0, intercept) / (2 * (n - 1)),
+    )
+
+
+def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
+    """``network`` with ``bidirectional_slowdown`` measured by ``gradsync commbench --ops
+    p2p,exchange`` on 2 ranks on 2 hosts: the time of an exchange (both ranks send S to each
+    other at once) over a one-way p2p of S, at the largest size both ran (clamped to 1..2).
+
+    Example:
+        >>> # calibrate_duplex(Network(bandwidth=125e6), "commbench.json").bidirectional_slowdown
+    """
+    path = Path(commbench_path)
+    try:
+        payload: dict[str, Any] = json.loads(path.read_text())
+        times = {(r["op"], r["bytes"]): r["time_s"] for r in payload["results"]}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{path}: not a commbench.json ({error})") from None
+    both = {b for op, b in times if op == "exchange"}
+    sizes = sorted({b for op, b in times if op == "p2p"} & both)
+    if not sizes:
+        raise UserError(f"{path}: needs p2p and exchange times at a common size")
+    ratio = times[("exchange", sizes[-1])] / times[("p2p", sizes[-1])]
+    return replace(network, bidirectional_slowdown=min(2.0, max(1.0, ratio)))
 
 
 def _two_regime_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -222,4 +306,12 @@ def _two_regime_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return slope, round(time_s - slope * smallest, 12)
 
 
-__all__ = ["Cluster", "Network", "calibrate", "parse_bandwidth", "parse_latency"]
+__all__ = [
+    "Cluster",
+    "Network",
+    "calibrate",
+    "calibrate_cpu",
+    "calibrate_duplex",
+    "parse_bandwidth",
+    "parse_latency",
+]

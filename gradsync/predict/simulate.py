@@ -26,6 +26,12 @@ functions, so a knob means the same thing here as in ``gradsync train``:
   only for layer i's slices. Simulated event by event over three steps (the last is the
   steady state).
 
+Links are full duplex unless the network says otherwise: where pushes and pulls crossing
+a link both ways at once were measured slower (``Network.bidirectional_slowdown``, emulated
+hosts), ``ps`` and ``p3`` transfers also hold the opposite direction for part of their time.
+Where the hosts share cores (``Cluster.shared_cores``) the CPU time of communication and of
+the servers that overlaps compute lengthens it (:func:`shared_core_stretch`).
+
 Links are modelled as first-come-first-served pipes (a transfer holds a host's outbound
 and the peer's inbound pipe for bytes/rate); concurrent messages of symmetric workers are
 summed on the link they share.
@@ -58,12 +64,16 @@ INDEX_BYTES = 8  # int64 row indices of sparse pushes and pulls
 
 @dataclass(frozen=True)
 class Span:
-    """One predicted activity on a track, seconds from the step's start."""
+    """One predicted activity on a track, seconds from the step's start. A communication
+    span also says what it moves over the whole job (``num_bytes`` sent between ranks,
+    ``messages``): the CPU work it costs where hosts share cores."""
 
     track: str
     name: str
     start: float
     duration: float
+    num_bytes: float = 0.0
+    messages: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,10 @@ def predict_step(
         ) from None
     if batchnorm == "global":
         profile = with_batchnorm_sync(profile, cluster)
-    step_s, spans, moved = simulator(profile, cluster, choice.options)
+    if cluster.shared_cores is None:
+        step_s, spans, moved = simulator(profile, cluster, choice.options)
+    else:
+        step_s, spans, moved = _on_shared_cores(profile, cluster, simulator, choice.options)
     return StepPrediction(
         choice=choice,
         workers=cluster.workers,
@@ -132,6 +145,93 @@ def predict_step(
         bytes_per_worker=moved,
         spans=tuple(spans),
     )
+
+
+SHARED_CORE_ROUNDS = 20  # fixed-point rounds of the shared-core stretch (it converges fast)
+
+
+def _on_shared_cores(
+    profile: Profile, cluster: Cluster, simulator: Any, options: Any
+) -> tuple[float, list[Span], float]:
+    """Simulate with backward lengthened by the CPU work that overlaps compute.
+
+    The stretch depends on the schedule it changes, so it is found by iteration: simulate
+    with backward longer by the previous round's stretch, measure the new one
+    (:func:`shared_core_stretch`), until it settles.
+    """
+    base = profile.backward_s
+    extra = 0.0
+    result = simulator(profile, cluster, options)
+    for _ in range(SHARED_CORE_ROUNDS):
+        new = shared_core_stretch(result[1], cluster)
+        if abs(new - extra) < 1e-9:
+            break
+        extra = new
+        stretched = _stretch_backward(profile, (base + extra) / max(base, 1e-12))
+        result = simulator(stretched, cluster, options)
+    return result
+
+
+def _stretch_backward(profile: Profile, factor: float) -> Profile:
+    """``profile`` with backward ``factor`` times longer, gradients ready in proportion."""
+    return dataclasses.replace(
+        profile,
+        backward_s=profile.backward_s * factor,
+        variables=tuple(
+            dataclasses.replace(v, grad_ready_s=v.grad_ready_s * factor) for v in profile.variables
+        ),
+    )
+
+
+def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) -> float:
+    """Seconds a worker's compute lengthens when every rank runs on ``cluster.shared_cores``
+    cores: the CPU work that overlaps forward and backward, less what idle cores absorb,
+    spread over the cores.
+
+    The CPU work is the communication's (each span's bytes and messages at the network's
+    measured ``cpu_s_per_byte`` and ``cpu_s_per_message``, both ends together) and the
+    servers' (a server span is CPU time). The profile's compute was measured with every
+    worker computing at once, so the workers keep ``min(workers, cores)`` cores busy; of
+    the overlapping work X, ``max(0, cores − workers)`` idle cores absorb their share and
+    the rest, spread over the cores, adds ``(X − idle) / cores`` to compute. 0 without
+    shared cores.
+
+    Example:
+        >>> from gradsync.predict.network import Network
+        >>> net = Network(bandwidth=1e9, cpu_s_per_byte=1e-9)
+        >>> cluster = Cluster(workers=2, network=net, shared_cores=2)
+        >>> spans = [Span("compute", "BACKWARD", 0.0, 1.0),
+        ...          Span("communication", "ALLREDUCE", 0.5, 1.0, num_bytes=1e8)]
+        >>> round(shared_core_stretch(spans, cluster), 6)  # half of 0.1 s overlaps, / 2 cores
+        0.025
+    """
+    cores = cluster.shared_cores
+    if cores is None:
+        return 0.0
+    compute = [
+        (s.start, s.start + s.duration)
+        for s in spans
+        if s.track == COMPUTE_TRACK and s.name in ("FORWARD", "BACKWARD")
+    ]
+    if not compute:
+        return 0.0
+    net = cluster.network
+    work = 0.0
+    for span in spans:
+        if span.track == COMPUTE_TRACK or span.duration <= 0:
+            continue
+        if span.track == COMM_TRACK:
+            cpu = span.num_bytes * net.cpu_s_per_byte + span.messages * net.cpu_s_per_message
+        else:  # a server's aggregation and update
+            cpu = span.duration
+        overlap = sum(
+            max(0.0, min(end, span.start + span.duration) - max(begin, span.start))
+            for begin, end in compute
+        )
+        work += cpu * overlap / span.duration
+    busy = sum(end - begin for begin, end in compute)
+    idle = max(0, cores - cluster.workers) * busy
+    return max(0.0, work - idle) / cores
 
 
 def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
@@ -196,7 +296,10 @@ def _bucketed_allreduce(
         shift += fill
         start = max(launch + fill, comm_free)
         duration = cluster.ring_allreduce_s(num_bytes)
-        spans.append(Span(COMM_TRACK, f"ALLREDUCE bucket{number}", start, duration))
+        n = cluster.workers
+        sent, messages = 2 * (n - 1) * num_bytes, 2 * n * (n - 1)  # a ring over all ranks
+        name = f"ALLREDUCE bucket{number}"
+        spans.append(Span(COMM_TRACK, name, start, duration, sent, messages))
         comm_free, last_launch, moved = start + duration, launch + fill, moved + num_bytes
     ring_share = 2 * (cluster.workers - 1) / cluster.workers if cluster.workers > 1 else 0.0
     moved *= ring_share
@@ -435,7 +538,8 @@ def _simulate_sync_ps(
             pushed = max(links.push(now, c.server, c.num_bytes) for c in together)
             for chunk in together:
                 name = f"PUSH server {chunk.server} chunk {chunk.index}"
-                spans.append(Span(COMM_TRACK, name, now, pushed - now))
+                sent = cluster.workers * chunk.num_bytes  # one copy from every worker
+                spans.append(Span(COMM_TRACK, name, now, pushed - now, sent, cluster.workers))
                 heapq.heappush(events, (pushed, next(tie), "apply", [chunk]))
         elif what == "apply":
             chunk = together[0]
@@ -448,7 +552,8 @@ def _simulate_sync_ps(
             chunk = together[0]
             back = links.pull(now, chunk.server, chunk.num_bytes)
             name = f"PULL server {chunk.server} chunk {chunk.index}"
-            spans.append(Span(COMM_TRACK, name, now, back - now))
+            sent = cluster.workers * chunk.num_bytes
+            spans.append(Span(COMM_TRACK, name, now, back - now, sent, cluster.workers))
             done = max(done, back)
     synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, done)
     total = sum(c.num_bytes for c in chunks)
@@ -462,7 +567,10 @@ class _HostLinks:
     workers to server s holds the outbound link of each other host with workers (one copy
     per worker there) and the inbound link of s's host (one copy per remote worker); a pull
     the reverse. Servers sharing a host share its link, and so do a colocated server's
-    answers and its worker's pushes."""
+    answers and its worker's pushes. Where the network is not fully duplex for
+    point-to-point transfers (``Network.bidirectional_slowdown`` d > 1, measured), a
+    transfer of t seconds also holds the opposite direction of the same links for
+    (d − 1)·t: two equal transfers the opposite ways then take d·t together, one alone t."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -472,6 +580,8 @@ class _HostLinks:
         hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
         self.outbound = {h: _Pipe() for h in hosts}
         self.inbound = {h: _Pipe() for h in hosts}
+
+        self.reverse = cluster.network.bidirectional_slowdown - 1.0
 
     def push(self, ready: float, server: int, num_bytes: float) -> float:
         return self._move(ready, server, num_bytes, self.outbound, self.inbound)
@@ -491,10 +601,15 @@ class _HostLinks:
         if not remote:
             return ready
         host = self.cluster.server_host(server)
-        ends = [server_side[host].hold(ready, remote * num_bytes / self.rate)]
+        holds = [(server_side, host, remote * num_bytes / self.rate)]
         for h, count in self.cluster.workers_per_host().items():
             if h != host:
-                ends.append(worker_side[h].hold(ready, count * num_bytes / self.rate))
+                holds.append((worker_side, h, count * num_bytes / self.rate))
+        ends = [side[h].hold(ready, seconds) for side, h, seconds in holds]
+        if self.reverse > 0:  # the other direction of the same links, for (d − 1)·t
+            for side, h, seconds in holds:
+                opposite = server_side if side is worker_side else worker_side
+                opposite[h].hold(ready, self.reverse * seconds)
         return max(ends) + self.hop_s
 
 
@@ -705,6 +820,7 @@ def _p3_transfers(
     server_out = [_Pipe() for _ in range(cluster.servers)]
     server_cpu = [_Pipe() for _ in range(cluster.servers)]
     per_byte_apply = profile.aggregate_s_per_byte * workers + profile.apply_s_per_byte
+    reverse = net.bidirectional_slowdown - 1.0
     arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
     waiting: list[tuple[int, int, _SliceJob]] = []
     in_flight: list[float] = []
@@ -722,24 +838,19 @@ def _p3_transfers(
             next_arrival += 1
         job = heapq.heappop(waiting)[2]
         s = job.server
-        pushed = (
-            max(
-                worker_out.hold(now, out_factor * job.num_bytes / net.rate),
-                server_in[s].hold(now, remote[s] * job.num_bytes / net.rate),
-            )
-            + net.hop_s
-        )
+        out_s, in_s = out_factor * job.num_bytes / net.rate, remote[s] * job.num_bytes / net.rate
+        pushed = max(worker_out.hold(now, out_s), server_in[s].hold(now, in_s)) + net.hop_s
+        if reverse > 0:  # not fully duplex: the other direction is held (d − 1)·t too
+            worker_in.hold(now, reverse * out_s)
+            server_out[s].hold(now, reverse * in_s)
         heapq.heappush(in_flight, pushed)
         applied = server_cpu[s].hold(
             pushed, job.num_bytes * per_byte_apply + profile.server_round_s
         )
-        back = (
-            max(
-                server_out[s].hold(applied, remote[s] * job.num_bytes / net.rate),
-                worker_in.hold(applied, out_factor * job.num_bytes / net.rate),
-            )
-            + net.hop_s
-        )
+        back = max(server_out[s].hold(applied, in_s), worker_in.hold(applied, out_s)) + net.hop_s
+        if reverse > 0:
+            server_in[s].hold(applied, reverse * in_s)
+            worker_out.hold(applied, reverse * out_s)
         spans.append(Span(COMM_TRACK, f"PUSH layer{job.layer}", now, pushed - now))
         layer_ready[job.layer] = max(layer_ready[job.layer], back)
     return layer_ready
@@ -753,4 +864,11 @@ SIMULATORS = {
     "p3": simulate_p3,
 }
 
-__all__ = ["SIMULATORS", "Span", "StepPrediction", "StrategyChoice", "predict_step"]
+__all__ = [
+    "SIMULATORS",
+    "Span",
+    "StepPrediction",
+    "StrategyChoice",
+    "predict_step",
+    "shared_core_stretch",
+]

@@ -12,6 +12,7 @@ The file is a grid::
     threads = 1
     recommend = true          # also measure what predict recommends per model × bandwidth
     calibrate = true          # fit the network model to a commbench run per bandwidth
+    shared_cores = 2          # every emulated host runs on this machine's 2 cores
 
     [[model]]
     name = "transformer"
@@ -41,7 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.errors import UserError
-from gradsync.predict.network import Cluster, Network, calibrate, parse_bandwidth
+from gradsync.predict.network import (
+    Cluster,
+    Network,
+    calibrate,
+    calibrate_cpu,
+    calibrate_duplex,
+    parse_bandwidth,
+)
 from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
 from gradsync.predict.simulate import StrategyChoice, predict_step
 from gradsync.predict.sweep import parse_choice, recommend
@@ -58,11 +66,13 @@ KEYS = {
     "calibrate",
     "model",
     "profile_steps",
+    "shared_cores",
 }
 MODEL_KEYS = {"name", "preset", "options", "bandwidths"}
 # Allreduce sizes the calibration times: a BatchNorm sync, a first bucket, fusion buckets,
 # a large layer.
 CALIBRATION_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+SUPPLEMENT = Path("supplement") / "commbench.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +101,7 @@ class ValidationPlan:
     recommend: bool = False
     calibrate: bool | str = False  # true: commbench per bandwidth; a path: that commbench.json
     profile_steps: int = 8
+    shared_cores: int | None = None  # the emulated hosts all run on this many cores
 
     def bandwidths_of(self, model: ModelEntry) -> tuple[str, ...]:
         """The bandwidths ``model`` is measured at: its own list, else the plan's."""
@@ -245,8 +256,10 @@ def _calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Path | None
 
 
 def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> None:
-    """Time allreduce at bucket-like sizes on the cells' emulated hosts (once per
-    bandwidth; a rerun keeps it): the per-message cost and the usable share of the link."""
+    """Time allreduce, p2p and exchange at bucket-like sizes on the cells' emulated hosts
+    (once per bandwidth; a rerun keeps it): the per-message cost and the usable share of
+    the link, the CPU time of communication, and how much slower transfers both ways at
+    once are."""
     from gradsync.commbench import CommbenchConfig, run_commbench
     from gradsync.config import LaunchConfig
 
@@ -256,7 +269,7 @@ def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Non
         return
     config = CommbenchConfig(
         workers=plan.workers,
-        ops=("allreduce",),
+        ops=("allreduce", "p2p", "exchange"),
         sizes=CALIBRATION_SIZES,
         warmup_iters=2,
         iters=5,
@@ -276,7 +289,11 @@ def cluster_for(
 ) -> Cluster:
     """The emulated cluster a cell runs on: ranks placed as ``gradsync train --hosts``
     places them (workers first, then dedicated servers); its network fitted to
-    ``calibration`` (a commbench.json) when given."""
+    ``calibration`` (a commbench.json) when given: the ring's time, and the CPU cost of
+    communication and the bidirectional slowdown of point-to-point transfers from it or
+    from ``supplement/commbench.json`` beside it (measured for a calibration taken before
+    commbench recorded them); the plan's ``shared_cores`` says how many cores the hosts
+    share."""
     from gradsync.config import TrainConfig
     from gradsync.netem import place_ranks
     from gradsync.strategies import strategy_class
@@ -284,6 +301,9 @@ def cluster_for(
     network = Network(bandwidth=parse_bandwidth(bandwidth))
     if calibration is not None:
         network = calibrate(network, calibration)
+        extra = calibration.parent / SUPPLEMENT  # measured after the cells, if at all
+        if extra.is_file():
+            network = calibrate_duplex(calibrate_cpu(network, extra), extra)
     config = TrainConfig(
         workers=plan.workers, strategy=choice.name, strategy_options=choice.options
     )
@@ -298,6 +318,7 @@ def cluster_for(
         colocate=colocate,
         host_of_worker=tuple(hosts[: plan.workers]),
         host_of_server=None if colocate else tuple(hosts[plan.workers :]),
+        shared_cores=plan.shared_cores,
     )
 
 

@@ -199,3 +199,59 @@ def test_a_validation_model_may_list_its_own_bandwidths(tmp_path: Path) -> None:
         plan_file.write_text(f"calibrate = {bad}\n" + text)
         with pytest.raises(UserError, match="calibrate = "):
             load_plan(plan_file)
+
+
+def test_a_validation_on_shared_cores_reads_cpu_and_duplex_from_the_supplement(
+    tmp_path: Path,
+) -> None:
+    from gradsync.predict.sweep import parse_choice
+    from gradsync.predict.validate import SUPPLEMENT, _calibration, cluster_for, load_plan
+
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(
+        'strategies = ["ps"]\nbandwidths = ["1gbit"]\ncalibrate = true\nshared_cores = 2\n'
+        '[[model]]\nname = "vgg16"\n'
+    )
+    plan = load_plan(plan_file)
+    path = _calibration(plan, "1gbit", tmp_path)
+    assert path is not None
+    path.parent.mkdir(parents=True)
+    sizes = (1 << 20, 1 << 24)
+    ring = [{"op": "allreduce", "bytes": s, "time_s": 1e-3 + s / 1e8} for s in sizes]
+    path.write_text(json.dumps({"world_size": 2, "bandwidth": "1gbit", "results": ring}))
+    before = cluster_for(plan, parse_choice("ps"), "1gbit", path)
+    assert before.shared_cores == 2
+    assert before.network.cpu_s_per_byte == 0.0 and before.network.bidirectional_slowdown == 1.0
+    rows = [{**r, "cpu_s": 2e-4 + 1e-9 * r["bytes"]} for r in ring] + [
+        {"op": op, "bytes": 1 << 24, "time_s": t} for op, t in (("p2p", 0.14), ("exchange", 0.28))
+    ]
+    (path.parent / SUPPLEMENT).parent.mkdir()
+    (path.parent / SUPPLEMENT).write_text(json.dumps({"world_size": 2, "results": rows}))
+    network = cluster_for(plan, parse_choice("ps"), "1gbit", path).network
+    assert network.message_s == before.network.message_s  # the ring's time: the calibration's
+    assert network.cpu_s_per_byte == pytest.approx(1e-9)
+    assert network.cpu_s_per_message == pytest.approx(1e-4)
+    assert network.bidirectional_slowdown == pytest.approx(2.0)
+
+
+def test_predict_shared_cores_charges_communication_cpu(tmp_path: Path) -> None:
+    profile = tmp_path / "p.json"
+    profile_of([variable("a", 250_000, 0.0)]).save(profile)
+    calibration = tmp_path / "commbench.json"
+    rows = [
+        {"op": "allreduce", "bytes": s, "time_s": s / 1e6, "cpu_s": 1e-7 * s}
+        for s in (1 << 16, 1 << 20)
+    ]
+    calibration.write_text(json.dumps({"world_size": 2, "results": rows}))
+    steps = {}
+    for flags in ([], ["--shared-cores", "2"]):
+        out = tmp_path / f"out{len(flags)}"
+        argv = ["predict", "--profile", str(profile), "--workers", "2", "--bandwidth", "8mbit",
+                "--latency", "0", "--strategies", "allreduce", "--no-recommend",
+                "--calibrate", str(calibration), "--out", str(out), *flags]  # fmt: skip
+        assert main(argv) == 0
+        steps[len(flags)] = json.loads((out / "predictions.json").read_text())
+    assert steps[2]["settings"]["shared_cores"] == 2
+    plain = steps[0]["points"][0]["step_s"]
+    shared = steps[2]["points"][0]["step_s"]
+    assert shared == pytest.approx(plain + (250_000 + 1) * 4 * 1e-7)  # 2·S bytes, 2 cores

@@ -1,0 +1,142 @@
+"""Emulated hosts on one machine: CPU shared by every rank, and point-to-point transfers
+that do not run both ways at once. Closed-form answers on hand-made profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradsync.errors import UserError
+from gradsync.predict.network import Cluster, Network, calibrate, calibrate_cpu, calibrate_duplex
+from gradsync.predict.simulate import Span, StrategyChoice, predict_step, shared_core_stretch
+from gradsync.strategies.ps import PSOptions
+from tests.unit.test_predict import ALLREDUCE, profile_of, variable
+
+BUCKET = (250_000 + 1) * 4  # one 1 MB variable and its had-a-gradient flag
+
+
+def test_no_shared_cores_means_no_stretch() -> None:
+    spans = [Span("compute", "BACKWARD", 0.0, 1.0), Span("communication", "X", 0.0, 1.0, 1e9, 9)]
+    net = Network(bandwidth=1e6, cpu_s_per_byte=1.0, cpu_s_per_message=1.0)
+    assert shared_core_stretch(spans, Cluster(workers=2, network=net)) == 0.0
+
+
+def test_overlapping_cpu_work_is_spread_over_the_cores_and_idle_cores_absorb_first() -> None:
+    # 1e8 bytes at 1 ns/B and 10 messages at 1 ms: 0.11 s of CPU, half of it during backward
+    # (the span runs 0.5–1.5 s, backward 0–1 s); a server span of 0.2 s, all inside.
+    net = Network(bandwidth=1e6, cpu_s_per_byte=1e-9, cpu_s_per_message=1e-3)
+    spans = [
+        Span("compute", "FORWARD", 0.0, 0.0),
+        Span("compute", "BACKWARD", 0.0, 1.0),
+        Span("compute", "COMM_WAIT", 1.0, 0.5),  # not compute: no stretch from here
+        Span("communication", "ALLREDUCE", 0.5, 1.0, num_bytes=1e8, messages=10),
+        Span("server 0", "AGGREGATE_APPLY", 0.2, 0.2),
+    ]
+    work = 0.11 / 2 + 0.2
+    two = Cluster(workers=2, network=net, shared_cores=2)
+    assert shared_core_stretch(spans, two) == pytest.approx(work / 2)
+    # 4 cores, 2 computing workers: 2 idle cores over the 1 s of compute absorb it all.
+    assert shared_core_stretch(spans, Cluster(workers=2, network=net, shared_cores=4)) == 0.0
+    # 3 cores: one idle core for the 1 s of compute takes all 0.255 core-seconds.
+    assert shared_core_stretch(spans, Cluster(workers=2, network=net, shared_cores=3)) == 0.0
+    # 1 core under 2 workers: nothing idle, the work spread over one core.
+    assert shared_core_stretch(spans, Cluster(workers=2, network=net, shared_cores=1)) == (
+        pytest.approx(work)
+    )
+
+
+def test_a_bucket_reduced_during_backward_lengthens_it_by_its_cpu_share() -> None:
+    # The gradient is ready when backward starts (t = 1 s): the 1 s ring runs inside the
+    # 2 s backward. A 2-rank ring sends 2·S bytes over both ranks: 0.2 s of CPU at 1e-7 s/B,
+    # spread over 2 cores. The step is compute plus 0.1 s; without shared cores, 3 s.
+    profile = profile_of([variable("a", 250_000, 0.0)])
+    net = Network(bandwidth=1e6, cpu_s_per_byte=1e-7)
+    plain = predict_step(profile, Cluster(workers=2, network=net), ALLREDUCE)
+    assert plain.step_s == pytest.approx(3.0)
+    shared = predict_step(profile, Cluster(workers=2, network=net, shared_cores=2), ALLREDUCE)
+    assert shared.step_s == pytest.approx(3.0 + 2 * BUCKET * 1e-7 / 2)
+
+
+def test_the_stretch_of_a_partly_overlapped_bucket_is_a_fixed_point() -> None:
+    # Ready 1.5 s into a 2 s backward: the 1 s ring starts at 2.5 s, backward ends at 3 s.
+    # A stretch e lengthens backward to 2 + e and moves the gradient to 1.5·(2 + e)/2, so
+    # the overlap is 0.5 + e/4 of the ring and e = c·(0.5 + e/4) with c = 2·S·1e-7 / 2:
+    # e = 0.5·c / (1 − c/4). The step ends with the ring: 3.5 + 0.75·e.
+    profile = profile_of([variable("a", 250_000, 1.5)])
+    net = Network(bandwidth=BUCKET, cpu_s_per_byte=1e-7)  # the ring takes exactly 1 s
+    step = predict_step(profile, Cluster(workers=2, network=net, shared_cores=2), ALLREDUCE)
+    c = 2 * BUCKET * 1e-7 / 2
+    stretch = 0.5 * c / (1 - c / 4)
+    assert step.step_s == pytest.approx(3.5 + 0.75 * stretch)
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 1.5, 2.0])
+def test_colocated_pushes_crossing_one_link_both_ways_take_the_slowdown(slowdown: float) -> None:
+    # Two colocated servers, 1 MB each: every push crosses the link one way while the other
+    # worker's crosses it the other way (and so do the pulls). Each phase takes d·1 s.
+    profile = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 2.0)])
+    net = Network(bandwidth=1e6, bidirectional_slowdown=slowdown)
+    step = predict_step(
+        profile, Cluster(workers=2, network=net), StrategyChoice("ps", PSOptions(colocate=True))
+    )
+    assert step.step_s == pytest.approx(3.0 + 2 * slowdown)
+
+
+def test_pushes_then_pulls_one_way_at_a_time_are_not_slowed() -> None:
+    # One dedicated server, no overlap: all pushes are in before any pull leaves.
+    size = 1_000_000
+    profile = profile_of([variable("a", size // 4, 2.0)])
+    for slowdown in (1.0, 2.0):
+        net = Network(bandwidth=1e6, latency=1e-3, bidirectional_slowdown=slowdown)
+        step = predict_step(profile, Cluster(workers=3, network=net), StrategyChoice("ps"))
+        assert step.step_s == pytest.approx(3.0 + 2 * (3 * size / 1e6 + 1e-3))
+
+
+def test_bidirectional_slowdown_is_between_one_and_two() -> None:
+    with pytest.raises(UserError, match="between 1"):
+        Network(bandwidth=1.0, bidirectional_slowdown=2.5)
+    with pytest.raises(UserError, match="positive"):
+        Cluster(workers=2, network=Network(bandwidth=1.0), shared_cores=0)
+
+
+def _commbench(path: Path, rows: list[dict[str, float | str]], n: int = 2) -> Path:
+    path.write_text(json.dumps({"world_size": n, "bandwidth": "1gbit", "results": rows}))
+    return path
+
+
+def test_cpu_calibration_turns_per_rank_cpu_into_per_byte_and_per_message(tmp_path) -> None:
+    # Per rank c = a + b·S. A ring of n ranks sends 2(n−1)·S bytes and 2n(n−1) messages,
+    # so the job's CPU n·c is n·b/(2(n−1)) per byte and a/(2(n−1)) per message.
+    a, b = 4e-4, 1e-9
+    for n in (2, 4):
+        rows = [
+            {"op": "allreduce", "bytes": s, "time_s": 1e-3 + s / 1e8, "cpu_s": a + b * s}
+            for s in (4096, 1 << 20, 1 << 24)
+        ]
+        fitted = calibrate_cpu(Network(bandwidth=125e6), _commbench(tmp_path / "c.json", rows, n))
+        assert fitted.cpu_s_per_byte == pytest.approx(n * b / (2 * (n - 1)))
+        assert fitted.cpu_s_per_message == pytest.approx(a / (2 * (n - 1)))
+
+
+def test_duplex_calibration_is_exchange_over_p2p_at_the_largest_size(tmp_path) -> None:
+    rows: list[dict[str, float | str]] = [
+        {"op": "allreduce", "bytes": 1 << 20, "time_s": 0.01},
+        {"op": "allreduce", "bytes": 1 << 24, "time_s": 0.14},
+        {"op": "p2p", "bytes": 1 << 20, "time_s": 0.01},
+        {"op": "exchange", "bytes": 1 << 20, "time_s": 0.011},
+        {"op": "p2p", "bytes": 1 << 24, "time_s": 0.14},
+        {"op": "exchange", "bytes": 1 << 24, "time_s": 0.266},
+    ]
+    path = _commbench(tmp_path / "commbench.json", rows)
+    assert calibrate_duplex(Network(bandwidth=125e6), path).bidirectional_slowdown == (
+        pytest.approx(1.9)
+    )
+    # calibrate() picks it up from the same file; without cpu_s the CPU cost stays 0.
+    fitted = calibrate(Network(bandwidth=125e6), path)
+    assert fitted.bidirectional_slowdown == pytest.approx(1.9)
+    assert fitted.cpu_s_per_byte == 0.0
+    rows[-1] = {"op": "exchange", "bytes": 1 << 24, "time_s": 0.5}  # clamped: at most 2
+    path = _commbench(tmp_path / "commbench.json", rows)
+    assert calibrate_duplex(Network(bandwidth=125e6), path).bidirectional_slowdown == 2.0
