@@ -208,10 +208,10 @@ def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) 
     cores = cluster.shared_cores
     if cores is None:
         return 0.0
-    compute = [
+    compute = [  # p3 names its forward per layer: "FORWARD layer3"
         (s.start, s.start + s.duration)
         for s in spans
-        if s.track == COMPUTE_TRACK and s.name in ("FORWARD", "BACKWARD")
+        if s.track == COMPUTE_TRACK and s.name.split(" ")[0] in ("FORWARD", "BACKWARD")
     ]
     if not compute:
         return 0.0
@@ -538,8 +538,7 @@ def _simulate_sync_ps(
             pushed = max(links.push(now, c.server, c.num_bytes) for c in together)
             for chunk in together:
                 name = f"PUSH server {chunk.server} chunk {chunk.index}"
-                sent = cluster.workers * chunk.num_bytes  # one copy from every worker
-                spans.append(Span(COMM_TRACK, name, now, pushed - now, sent, cluster.workers))
+                spans.append(Span(COMM_TRACK, name, now, pushed - now, *_wire(cluster, chunk)))
                 heapq.heappush(events, (pushed, next(tie), "apply", [chunk]))
         elif what == "apply":
             chunk = together[0]
@@ -552,14 +551,21 @@ def _simulate_sync_ps(
             chunk = together[0]
             back = links.pull(now, chunk.server, chunk.num_bytes)
             name = f"PULL server {chunk.server} chunk {chunk.index}"
-            sent = cluster.workers * chunk.num_bytes
-            spans.append(Span(COMM_TRACK, name, now, back - now, sent, cluster.workers))
+            spans.append(Span(COMM_TRACK, name, now, back - now, *_wire(cluster, chunk)))
             done = max(done, back)
     synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, done)
     total = sum(c.num_bytes for c in chunks)
     copy_out = total * profile.copy_s_per_byte
     spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_PULL_BUFFER", synced, copy_out))
     return synced + copy_out, spans, 2 * total
+
+
+def _wire(cluster: Cluster, transfer: Any) -> tuple[float, int]:
+    """What one push or pull of ``transfer`` (``server``, ``num_bytes``) moves between
+    processes over the whole job: one copy per remote worker, each a header and a payload
+    message (the toolkit's transport); a colocated worker's copy stays in its process."""
+    remote = cluster.remote_workers(transfer.server)
+    return remote * transfer.num_bytes, 2 * remote
 
 
 class _HostLinks:
@@ -773,7 +779,7 @@ def simulate_p3(
         start = backward_end
     step = ends[-1] - ends[-2]
     origin = ends[-2]
-    shifted = [Span(s.track, s.name, s.start - origin, s.duration) for s in spans]
+    shifted = [dataclasses.replace(s, start=s.start - origin) for s in spans]
     return step, shifted, 2.0 * profile.num_bytes
 
 
@@ -844,14 +850,18 @@ def _p3_transfers(
             worker_in.hold(now, reverse * out_s)
             server_out[s].hold(now, reverse * in_s)
         heapq.heappush(in_flight, pushed)
-        applied = server_cpu[s].hold(
-            pushed, job.num_bytes * per_byte_apply + profile.server_round_s
-        )
+        work = job.num_bytes * per_byte_apply + profile.server_round_s
+        applied = server_cpu[s].hold(pushed, work)
         back = max(server_out[s].hold(applied, in_s), worker_in.hold(applied, out_s)) + net.hop_s
         if reverse > 0:
             server_in[s].hold(applied, reverse * in_s)
             worker_out.hold(applied, reverse * out_s)
-        spans.append(Span(COMM_TRACK, f"PUSH layer{job.layer}", now, pushed - now))
+        wire = _wire(cluster, job)
+        spans += [
+            Span(COMM_TRACK, f"PUSH layer{job.layer}", now, pushed - now, *wire),
+            Span(SERVER_TRACK, f"AGGREGATE_APPLY layer{job.layer}", applied - work, work),
+            Span(COMM_TRACK, f"PULL layer{job.layer}", applied, back - applied, *wire),
+        ]
         layer_ready[job.layer] = max(layer_ready[job.layer], back)
     return layer_ready
 

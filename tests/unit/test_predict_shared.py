@@ -11,6 +11,7 @@ import pytest
 from gradsync.errors import UserError
 from gradsync.predict.network import Cluster, Network, calibrate, calibrate_cpu, calibrate_duplex
 from gradsync.predict.simulate import Span, StrategyChoice, predict_step, shared_core_stretch
+from gradsync.strategies.p3 import P3Options
 from gradsync.strategies.ps import PSOptions
 from tests.unit.test_predict import ALLREDUCE, profile_of, variable
 
@@ -140,3 +141,20 @@ def test_duplex_calibration_is_exchange_over_p2p_at_the_largest_size(tmp_path) -
     rows[-1] = {"op": "exchange", "bytes": 1 << 24, "time_s": 0.5}  # clamped: at most 2
     path = _commbench(tmp_path / "commbench.json", rows)
     assert calibrate_duplex(Network(bandwidth=125e6), path).bidirectional_slowdown == 2.0
+
+
+@pytest.mark.parametrize(("colocate", "stretch"), [(False, 0.4), (True, 0.0)])
+def test_p3_slices_cost_cpu_per_message_where_they_cross_processes(
+    colocate: bool, stretch: float
+) -> None:
+    # One 1000-value slice, ready when the 10 s backward starts: its push and its answer
+    # (1 s each at 4000 B/s) run inside backward. Each is a header and a payload message at
+    # 0.1 s of CPU; on one shared core that 0.4 s lengthens backward. A colocated server's
+    # slice never leaves the process: no wire, no CPU.
+    profile = profile_of([variable("w", 1000, 0.0)], forward=1.0, backward=10.0)
+    net = Network(bandwidth=4000.0, cpu_s_per_message=0.1)
+    choice = StrategyChoice("p3", P3Options(slice_size=1000, colocate=colocate))
+    plain = predict_step(profile, Cluster(workers=1, network=net), choice)
+    shared = predict_step(profile, Cluster(workers=1, network=net, shared_cores=1), choice)
+    assert plain.step_s == pytest.approx(11.0)
+    assert shared.step_s == pytest.approx(11.0 + stretch)
