@@ -53,8 +53,18 @@ def serve(host: str) -> None:
     conn.close()
 
 
+def connect(host: str) -> socket.socket:
+    """The server's socket, retried for up to 5 s while it starts."""
+    for _ in range(50):
+        try:
+            return socket.create_connection((host, PORT))
+        except ConnectionRefusedError:
+            time.sleep(0.1)
+    return socket.create_connection((host, PORT))
+
+
 def measure(host: str, label: str) -> None:
-    conn = socket.create_connection((host, PORT))
+    conn = connect(host)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     started = time.perf_counter()
     send_all(conn, SIZE)
@@ -73,7 +83,9 @@ def measure(host: str, label: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "server":
+    if len(sys.argv) == 3 and sys.argv[1] == "server":
         serve(sys.argv[2])
-    else:
+    elif len(sys.argv) == 4 and sys.argv[1] == "client":
         measure(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: tcp_duplex_peer.py server HOST | client HOST LABEL")

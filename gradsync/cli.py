@@ -500,7 +500,7 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
         help="collective bandwidth vs message size (nccl-tests style)",
         description="Time allreduce, reduce, broadcast, allgather, p2p (rank 0 → 1) and "
         "exchange (ranks r and r + n/2 send to each other at once) over message sizes; report "
-        "time, algorithm and bus bandwidth (nccl-tests definitions) and each rank's CPU time.",
+        "time, algorithm and bus bandwidth (nccl-tests definitions) and the ranks' mean CPU time.",
     )
     bench.add_argument("--workers", type=_positive_int, default=2, help="ranks (default 2)")
     bench.add_argument(

@@ -246,9 +246,9 @@ def _operation(op: str, size: int, rank: int, world_size: int) -> tuple[Callable
     if op == "exchange":  # rank r and r ± n/2 send to each other at once: both directions
         incoming = torch.empty_like(tensor)
         half = world_size // 2
-        peer = rank + half if rank < half else rank - half
-        if peer >= 2 * half:  # the odd rank out waits at the barriers
+        if rank >= 2 * half:  # the odd rank out waits at the barriers
             return lambda: None, moved
+        peer = rank + half if rank < half else rank - half
 
         def exchange() -> None:
             for work in (dist.isend(tensor, peer), dist.irecv(incoming, peer)):
@@ -300,8 +300,9 @@ def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(iters):
         run()
-    seconds = _slowest(time.perf_counter() - start) / iters
-    cpu_s = _mean((time.process_time() - cpu_start) / iters)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    seconds = _slowest(wall) / iters  # the clocks are read before these collectives
+    cpu_s = _mean(cpu / iters)
     factor = busbw_factor(op, env.world_size)
     algbw = moved / seconds
     return {

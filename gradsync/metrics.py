@@ -24,9 +24,9 @@ SUMMARY_FILE = "summary.json"
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """What one rank measured in one step. Bytes and exposed time are this step's deltas;
-    ``cpu_s`` is the CPU time its process used in the step, every thread counted (a
-    colocated server's, the transport's), so CPU seconds over step seconds shows how many
-    cores the rank kept busy."""
+    ``cpu_s`` is the CPU time its process used since its previous record, every thread
+    counted (a colocated server's, the transport's), so CPU seconds over step seconds shows
+    how many cores the rank kept busy."""
 
     step: int
     rank: int

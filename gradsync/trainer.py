@@ -48,10 +48,11 @@ def train(
     # Worker k of N takes the k-th contiguous shard of every step's global batch.
     start, stop = shard_bounds(global_batch, context.num_workers, context.worker_index)
     before = strategy.stats()
+    cpu_mark = time.process_time()  # a step's CPU runs from the previous record to its own
     for step in range(first_step, config.steps):
         beat("forward", step)
         timeline.start_step(step)
-        started, cpu_started = time.perf_counter(), time.process_time()
+        started = time.perf_counter()
         batch = workload.dataset.batch(step=step, size=global_batch, start=start, stop=stop)
         batch = batch.to(context.device, torch.get_default_dtype())
         with timeline.span(COMPUTE, Phase.FORWARD):
@@ -68,6 +69,7 @@ def train(
         timeline.record_step(step, started, elapsed)
 
         after = strategy.stats()
+        cpu_now = time.process_time()
         on_step(
             StepRecord(
                 step=step,
@@ -79,10 +81,10 @@ def train(
                 bytes_recv=after.bytes_recv - before.bytes_recv,
                 exposed_comm_s=after.exposed_comm_s - before.exposed_comm_s,
                 lr=strategy.current_lr(),
-                cpu_s=time.process_time() - cpu_started,
+                cpu_s=cpu_now - cpu_mark,
             )
         )
-        before = after
+        before, cpu_mark = after, cpu_now
 
 
 class LossNotFinite(Exception):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -94,7 +95,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     predict.add_argument(
         "--calibrate",
         metavar="commbench.json",
-        help="fit per-message cost and usable bandwidth share to a `gradsync commbench` run",
+        help="fit per-message cost and usable bandwidth share to a `gradsync commbench` run "
+        "(and, where it has them, the CPU cost of communication and the slowdown of "
+        "point-to-point transfers both ways at once)",
     )
     predict.add_argument(
         "--shared-cores",
@@ -242,7 +245,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return _validate(args)
     if args.experiment:
         return _run_experiment(args)
-    from gradsync.predict.network import Cluster, Network, calibrate, parse_bandwidth, parse_latency
+    from gradsync.predict.network import (
+        Cluster,
+        Network,
+        calibrate,
+        check_shared_cores,
+        parse_bandwidth,
+        parse_latency,
+    )
     from gradsync.predict.profile import Profile
     from gradsync.predict.report import HEADERS, recommendation_lines, table_rows, write_outputs
     from gradsync.predict.sweep import parse_choice, predict_grid, recommend
@@ -264,6 +274,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UserError("--bandwidth lists no rate; e.g. --bandwidth 1gbit,10gbit")
     first = next(iter(networks.values()))
     shared = getattr(args, "shared_cores", None)
+    check_shared_cores(shared, "shared cores")
+    if shared and not any(n.cpu_s_per_byte or n.cpu_s_per_message for n in networks.values()):
+        print(
+            "note: --shared-cores charges only the servers' work here: communication's CPU "
+            "cost comes from --calibrate with a commbench.json that has cpu_s",
+            file=sys.stderr,
+        )
     base = Cluster(
         workers=1, network=first, ranks_per_host=args.ranks_per_host, shared_cores=shared
     )

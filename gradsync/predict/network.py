@@ -115,6 +115,18 @@ class Network:
         return self.latency + self.message_s
 
 
+def check_shared_cores(value: object, where: str) -> None:
+    """``value`` is None or a whole number ≥ 1 of cores; else a one-line UserError.
+
+    Example:
+        >>> check_shared_cores(2, "--shared-cores")
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{where} must be a whole number of cores ≥ 1, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """``workers`` ranks, ``ranks_per_host`` to a host, and parameter servers.
@@ -138,8 +150,7 @@ class Cluster:
     shared_cores: int | None = None
 
     def __post_init__(self) -> None:
-        if self.shared_cores is not None and self.shared_cores < 1:
-            raise UserError(f"shared cores must be a positive integer, got {self.shared_cores}")
+        check_shared_cores(self.shared_cores, "shared_cores")
 
     def with_servers(self, servers: int, *, colocate: bool = False) -> Cluster:
         """The same hosts with another server layout (explicit server hosts dropped)."""
@@ -233,7 +244,8 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     if all("cpu_s" in r for r in rows):
         network = calibrate_cpu(network, path)
     ops = {r.get("op") for r in payload["results"]}
-    return calibrate_duplex(network, path) if {"p2p", "exchange"} <= ops else network
+    pair = int(payload.get("world_size", 0)) == 2  # exchange over p2p means one pair's links
+    return calibrate_duplex(network, path) if pair and {"p2p", "exchange"} <= ops else network
 
 
 def calibrate_cpu(network: Network, commbench_path: str | Path) -> Network:
@@ -288,7 +300,17 @@ def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
     sizes = sorted({b for op, b in times if op == "p2p"} & both)
     if not sizes:
         raise UserError(f"{path}: needs p2p and exchange times at a common size")
-    ratio = times[("exchange", sizes[-1])] / times[("p2p", sizes[-1])]
+    if int(payload.get("world_size", 2)) != 2:
+        raise UserError(
+            f"{path}: the bidirectional slowdown is measured by 2 ranks on 2 hosts; this run "
+            f"had {payload.get('world_size')} ranks (rerun commbench with --workers 2)"
+        )
+    one_way, both_ways = times[("p2p", sizes[-1])], times[("exchange", sizes[-1])]
+    if not (
+        isinstance(one_way, (int, float)) and one_way > 0 and isinstance(both_ways, (int, float))
+    ):
+        raise UserError(f"{path}: p2p and exchange times must be positive numbers")
+    ratio = both_ways / one_way
     return replace(network, bidirectional_slowdown=min(2.0, max(1.0, ratio)))
 
 

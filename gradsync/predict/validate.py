@@ -48,6 +48,7 @@ from gradsync.predict.network import (
     calibrate,
     calibrate_cpu,
     calibrate_duplex,
+    check_shared_cores,
     parse_bandwidth,
 )
 from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
@@ -153,6 +154,7 @@ def load_plan(path: str | Path) -> ValidationPlan:
     if not plan.models:
         raise UserError(f'{path}: no [[model]] tables; add one with name = "transformer"')
     _check_calibrate(plan.calibrate, path)
+    check_shared_cores(plan.shared_cores, f"{path}: shared_cores")
     for spec in plan.strategies:
         parse_choice(spec, plan.workers)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:

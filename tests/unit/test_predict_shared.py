@@ -98,8 +98,31 @@ def test_pushes_then_pulls_one_way_at_a_time_are_not_slowed() -> None:
 def test_bidirectional_slowdown_is_between_one_and_two() -> None:
     with pytest.raises(UserError, match="between 1"):
         Network(bandwidth=1.0, bidirectional_slowdown=2.5)
-    with pytest.raises(UserError, match="positive"):
-        Cluster(workers=2, network=Network(bandwidth=1.0), shared_cores=0)
+    for bad in (0, 2.5, "2", True):
+        with pytest.raises(UserError, match="whole number of cores"):
+            Cluster(workers=2, network=Network(bandwidth=1.0), shared_cores=bad)  # type: ignore[arg-type]
+
+
+def test_a_plan_with_bad_shared_cores_is_one_line_before_anything_runs(tmp_path) -> None:
+    from gradsync.predict.validate import load_plan
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'strategies = ["allreduce"]\nbandwidths = ["1gbit"]\nshared_cores = "2"\n'
+        '[[model]]\nname = "transformer"\n'
+    )
+    with pytest.raises(UserError, match="shared_cores must be a whole number"):
+        load_plan(plan)
+
+
+def test_duplex_calibration_needs_one_pair(tmp_path) -> None:
+    rows = [{"op": "p2p", "bytes": 1 << 20, "time_s": 0.01}]
+    rows.append({"op": "exchange", "bytes": 1 << 20, "time_s": 0.02})
+    with pytest.raises(UserError, match="2 ranks on 2 hosts"):
+        calibrate_duplex(Network(bandwidth=125e6), _commbench(tmp_path / "c.json", rows, n=4))
+    rows[0]["time_s"] = 0.0
+    with pytest.raises(UserError, match="positive numbers"):
+        calibrate_duplex(Network(bandwidth=125e6), _commbench(tmp_path / "c.json", rows))
 
 
 def _commbench(path: Path, rows: list[dict[str, float | str]], n: int = 2) -> Path:
