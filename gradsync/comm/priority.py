@@ -8,12 +8,19 @@ less urgent ones is queued therefore overtakes all of them, and waits for at mos
 slice already on the wire. ``fifo=True`` ignores the priorities (the ``--no-priority``
 ablation): arrival order.
 
-Every send is recorded in :attr:`PrioritySender.log` (bounded) with what was still
+Items may share a message (``bundle``): with the most urgent item the thread also takes
+the items right behind it in the queue, in order, up to ``bundle_limit`` per peer, and
+sends them as one message per peer. Priority order is kept; what changes is the unit an
+urgent item may wait behind: one message of up to ``bundle_limit`` items instead of one
+item. Per message, the cost of a send (a header, a wake-up of each thread on the way)
+is paid once.
+
+Every item sent is recorded in :attr:`PrioritySender.log` (bounded) with what was still
 waiting, so the order can be checked afterwards.
 
 Example:
     >>> sent = []
-    >>> sender = PrioritySender(lambda item, record: sent.append(item), name="demo")
+    >>> sender = PrioritySender(lambda items, records: sent.extend(items), name="demo")
     >>> sender.put("layer 1", priority=1); sender.close(timeout_s=5); sent
     ['layer 1']
 """
@@ -25,7 +32,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,28 +71,40 @@ class SendRecord:
     next_seq: int | None  # lowest arrival number among them
 
 
-class PrioritySender:
-    """Queue of ready items; a thread sends each with ``send(item, record)``, most urgent first.
+Send = Callable[[list[Any], list[SendRecord]], Callable[[], None] | None]
+Bundle = Callable[[Any], Hashable | None]  # the peer of an item that may share a message
 
-    ``send`` runs on the sender thread. It either blocks until the item has left and returns
+
+class PrioritySender:
+    """Queue of ready items; a thread sends them with ``send(items, records)``, most urgent
+    first.
+
+    ``send`` runs on the sender thread with one message's items (one item, or a bundle for
+    one peer, in queue order). It either blocks until the message has left and returns
     None, or starts an asynchronous send and returns a function that waits for it; at most
-    ``window`` such sends are in flight (the oldest is waited for before the next starts),
-    so an urgent item waits behind at most ``window`` items already on the wire. An
-    exception in ``send`` stops the thread; :attr:`error` holds it and :meth:`put` and
+    ``window`` such sends are in flight (the oldest is waited for before the next starts;
+    a bundle taken for several peers may add one message per peer), so an urgent item
+    waits behind at most about ``window`` messages already on the wire. ``bundle(item)``
+    names the peer of an item that may share a message, None for one that travels alone.
+    An exception in ``send`` stops the thread; :attr:`error` holds it and :meth:`put` and
     :meth:`close` re-raise it.
     """
 
     def __init__(
         self,
-        send: Callable[[Any, SendRecord], Callable[[], None] | None],
+        send: Send,
         *,
         name: str,
         fifo: bool = False,
         window: int = 1,
+        bundle: Bundle | None = None,
+        bundle_limit: int = 1,
         log_limit: int = LOG_LIMIT,
     ) -> None:
         self.fifo = fifo
         self.window = window
+        self._bundle = bundle
+        self.bundle_limit = bundle_limit
         self._in_flight: deque[Callable[[], None]] = deque()
         self.error: BaseException | None = None
         self.log: deque[SendRecord] = deque(maxlen=log_limit)
@@ -111,32 +130,58 @@ class PrioritySender:
                 with self._cond:
                     while not self._heap and not self._in_flight:
                         self._cond.wait()
-                    entry = None
+                    taken: list[tuple[Any, SendRecord]] = []
                     if self._heap and len(self._in_flight) < self.window:
-                        entry = heapq.heappop(self._heap)
-                        waiting = [(p, k[1]) for k, p, i in self._heap if i is not _STOP]
-                if entry is None:  # nothing queued, or the window is full: finish the oldest
+                        taken = self._take()
+                if not taken:  # nothing queued, or the window is full: finish the oldest
                     self._in_flight.popleft()()
                     continue
-                (_, seq), priority, item = entry
-                if item is _STOP:
+                if taken[0][0] is _STOP:
                     while self._in_flight:
                         self._in_flight.popleft()()
                     return
-                record = SendRecord(
-                    priority=priority,
-                    seq=seq,
-                    started=time.perf_counter(),
-                    num_waiting=len(waiting),
-                    next_priority=min((p for p, _ in waiting), default=None),
-                    next_seq=min((s for _, s in waiting), default=None),
-                )
-                self.log.append(record)
-                finish = self._send(item, record)
-                if finish is not None:
-                    self._in_flight.append(finish)
+                for items, records in _per_peer(taken, self._bundle):
+                    finish = self._send(items, records)
+                    if finish is not None:
+                        self._in_flight.append(finish)
         except BaseException as error:  # the owner re-raises it on its next put/wait
             self.error = error
+
+    def _take(self) -> list[tuple[Any, SendRecord]]:
+        """Under the lock: the most urgent item, then the items right behind it while each
+        may share a message with at most ``bundle_limit`` − 1 others for its peer."""
+        taken = [self._pop()]
+        peer = self._peer(taken[0][0])
+        if peer is None:
+            return taken
+        counts = {peer: 1}
+        while self._heap:
+            peer = self._peer(self._heap[0][2])
+            if peer is None or counts.get(peer, 0) >= self.bundle_limit:
+                break
+            counts[peer] = counts.get(peer, 0) + 1
+            taken.append(self._pop())
+        return taken
+
+    def _peer(self, item: Any) -> Hashable | None:
+        if self._bundle is None or self.bundle_limit < 2 or item is _STOP:
+            return None
+        return self._bundle(item)
+
+    def _pop(self) -> tuple[Any, SendRecord]:
+        (_, seq), priority, item = heapq.heappop(self._heap)
+        waiting = [(p, k[1]) for k, p, i in self._heap if i is not _STOP]
+        record = SendRecord(
+            priority=priority,
+            seq=seq,
+            started=time.perf_counter(),
+            num_waiting=len(waiting),
+            next_priority=min((p for p, _ in waiting), default=None),
+            next_seq=min((s for _, s in waiting), default=None),
+        )
+        if item is not _STOP:
+            self.log.append(record)
+        return item, record
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
@@ -159,14 +204,95 @@ class PrioritySender:
             raise TimeoutError(f"the {self._thread.name} thread did not finish in {timeout_s:g} s")
 
 
+def _per_peer(
+    taken: list[tuple[Any, SendRecord]], bundle: Bundle | None
+) -> list[tuple[list[Any], list[SendRecord]]]:
+    """Items taken together, one message per peer, each in queue order.
+
+    Example:
+        >>> r = SendRecord(0, 0, 0.0, 0, None, None)
+        >>> taken = [("a1", r), ("b1", r), ("a2", r)]
+        >>> [items for items, _ in _per_peer(taken, lambda item: item[0])]
+        [['a1', 'a2'], ['b1']]
+    """
+    if len(taken) == 1 or bundle is None:
+        return [([item], [record]) for item, record in taken]
+    messages: dict[Hashable, tuple[list[Any], list[SendRecord]]] = {}
+    for item, record in taken:
+        items, records = messages.setdefault(bundle(item), ([], []))
+        items.append(item)
+        records.append(record)
+    return list(messages.values())
+
+
 def slice_reader(header: Header, recv: Recv) -> list[Tensor]:
-    """A server's read of a push: ``length`` gradient values (none for NO_GRADIENT)."""
-    return [recv(torch.empty(header.length))] if header.kind == Kind.PUSH else []
+    """A server's read of a push: ``length`` gradient values (none for NO_GRADIENT); a
+    bundle's indices come first."""
+    if header.kind != Kind.PUSH:
+        return []
+    return [*read_manifest(header, recv), recv(torch.empty(header.length))]
+
+
+def read_manifest(header: Header, recv: Recv) -> list[Tensor]:
+    """A bundle's manifest (int64: the pieces' indices, then their priorities), or
+    nothing for a single piece."""
+    if header.count == 1:
+        return []
+    return [recv(torch.empty(2 * header.count, dtype=torch.int64))]
+
+
+def unbundle(header: Header, tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """``(index, priority)`` of each piece of a message: its bundle's manifest, or its
+    header's fields.
+
+    Example:
+        >>> unbundle(Header(Kind.PUSH, index=3, priority=1), [torch.ones(2)])
+        [(3, 1)]
+        >>> unbundle(Header(Kind.PUSH, count=2), [torch.tensor([5, 1, 0, 2]), torch.ones(4)])
+        [(5, 0), (1, 2)]
+    """
+    if header.count == 1:
+        return [(header.index, header.priority)]
+    manifest = tensors[0].tolist()
+    return list(zip(manifest[: header.count], manifest[header.count :], strict=True))
+
+
+def bundle_message(
+    kind: Kind, headers: list[Header], values: list[Tensor], *, worker: int = -1
+) -> tuple[Header, list[Tensor]]:
+    """One message for several pieces: the first header's fields, ``count`` of them, the
+    manifest (their indices, then their priorities), then their values end to end (one
+    piece: as it is, no manifest).
+
+    Example:
+        >>> pieces = [Header(Kind.REPLY, step=2, index=i, priority=i) for i in (4, 0)]
+        >>> header, tensors = bundle_message(Kind.REPLY, pieces, [torch.ones(2), torch.zeros(1)])
+        >>> header.count, header.length, tensors[0].tolist(), tensors[1].tolist()
+        (2, 3, [4, 0, 4, 0], [1.0, 1.0, 0.0])
+    """
+    first = headers[0]
+    if len(headers) == 1:
+        return first, values
+    total = sum(v.numel() for v in values)
+    header = Header(
+        kind,
+        worker=worker,
+        step=first.step,
+        index=first.index,
+        priority=first.priority,
+        length=total,
+        lr=first.lr,
+        count=len(headers),
+    )
+    numbers = [h.index for h in headers] + [h.priority for h in headers]
+    manifest = torch.tensor(numbers, dtype=torch.int64)
+    return header, [manifest, torch.cat(values)]
 
 
 class P3Server(ServerPolicy):
     """One P3 server: a :class:`ShardState` per slice it owns; a slice is applied once every
-    worker's contribution is in, and answered, in priority order, to every worker."""
+    worker's contribution is in, and answered, in priority order, to every worker (up to
+    ``slices_per_message`` answers queued back to back for one worker share a message)."""
 
     def __init__(
         self,
@@ -177,6 +303,7 @@ class P3Server(ServerPolicy):
         num_workers: int,
         fifo: bool,
         timeout_s: float,
+        slices_per_message: int = 1,
         timeline: Timeline | None = None,
         track: str = "server",
     ) -> None:
@@ -188,19 +315,38 @@ class P3Server(ServerPolicy):
         self.rounds = Gather(range(num_workers))
         self.applied: dict[int, int] = {}  # step → slices applied
         self.replies = PrioritySender(
-            self._send_reply, name="p3-reply", fifo=fifo, window=SEND_WINDOW
+            self._send_reply,
+            name="p3-reply",
+            fifo=fifo,
+            window=SEND_WINDOW,
+            bundle=self._bundle_peer,
+            bundle_limit=slices_per_message,
         )
 
     def on_push(self, message: Message) -> None:
+        """A worker's slices (one, or a bundle): each is applied once every worker's is in."""
         if self.replies.error is not None:
             raise TransportError(f"sending replies failed: {self.replies.error}")
         header = message.header
-        grad = message.tensors[0] if message.kind == Kind.PUSH else None
-        contributions = self.rounds.add(header.index, message.worker, grad)
+        if message.kind != Kind.PUSH:  # NO_GRADIENT: always a single slice
+            self._on_slice(message.worker, header.step, header.index, header.priority, None)
+            return
+        values, start = message.tensors[-1], 0
+        for index, priority in unbundle(header, message.tensors):
+            stop = start + self.states[index].values.numel()
+            self._on_slice(message.worker, header.step, index, priority, values[start:stop])
+            start = stop
+
+    def _on_slice(
+        self, worker: int, step: int, index: int, priority: int, grad: Tensor | None
+    ) -> None:
+        """One worker's gradient of slice ``index`` (None: it had none); the last one in
+        applies the slice and queues the answers."""
+        contributions = self.rounds.add(index, worker, grad)
         if contributions is None:
             return
-        step, state = header.step, self.states[header.index]
-        span = dict(step=step, slice=header.index, priority=header.priority)
+        state = self.states[index]
+        span = dict(step=step, slice=index, priority=priority)
         span["bytes"] = nbytes(state.values)
         with self.metrics.busy(step):
             with self.timeline.span(self.track, Phase.SERVER_AGGREGATE, **span):
@@ -214,13 +360,13 @@ class P3Server(ServerPolicy):
             reply = Header(
                 Kind.REPLY,
                 step=step,
-                index=header.index,
-                priority=header.priority,
+                index=index,
+                priority=priority,
                 length=values.numel(),
                 lr=state.lr,
             )
             for worker in range(self.num_workers):
-                self._reply(worker, reply, values, header.priority)
+                self._reply(worker, reply, values, priority)
         self.applied[step] = self.applied.get(step, 0) + 1
         if self.applied[step] == len(self.states):  # this server has finished the step
             del self.applied[step]
@@ -230,9 +376,21 @@ class P3Server(ServerPolicy):
         """Queue an updated slice for ``worker`` (tests override it to slow a layer down)."""
         self.replies.put((worker, header, values), priority)
 
-    def _send_reply(self, item: tuple[int, Header, Tensor | None], record: SendRecord):
-        worker, header, payload = item
-        sent, wait = self.outbox.post(worker, header, [] if payload is None else [payload])
+    def _bundle_peer(self, item: tuple[int, Header, Tensor | None]) -> Hashable | None:
+        """Answers to one remote worker for one step share messages; the rest go alone."""
+        worker, header, _ = item
+        if header.kind != Kind.REPLY or worker == self.outbox.local_peer:
+            return None
+        return (worker, header.step, header.lr)
+
+    def _send_reply(self, items: list[tuple[int, Header, Tensor | None]], records: object):
+        worker, first, payload = items[0]
+        if len(items) == 1:
+            header, tensors = first, [] if payload is None else [payload]
+        else:
+            headers = [h for _, h, _ in items]
+            header, tensors = bundle_message(Kind.REPLY, headers, [v for _, _, v in items])
+        sent, wait = self.outbox.post(worker, header, tensors)
         if header.kind == Kind.REPLY:
             self.metrics.tally(header.step).bytes_sent += sent
         return wait
@@ -269,4 +427,14 @@ class P3Server(ServerPolicy):
         self.replies.close(timeout_s=self.timeout_s)
 
 
-__all__ = ["LAST", "SEND_WINDOW", "P3Server", "PrioritySender", "SendRecord", "slice_reader"]
+__all__ = [
+    "LAST",
+    "SEND_WINDOW",
+    "P3Server",
+    "PrioritySender",
+    "SendRecord",
+    "bundle_message",
+    "read_manifest",
+    "slice_reader",
+    "unbundle",
+]

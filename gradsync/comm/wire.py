@@ -4,12 +4,14 @@ Every strategy with server ranks (``ps``, ``hybrid``, ``p3``) speaks the same fr
 c10d point-to-point. A message is a float64 :class:`Header` followed by zero or more payload
 tensors sent with the same tag to the same peer (Gloo delivers them in order):
 
-    [kind, worker, step, index, priority, length, lr] then the payload tensors
+    [kind, worker, step, index, priority, length, lr, count] then the payload tensors
 
 ``index`` names a piece of the server's state (a p3 slice), ``priority`` its layer,
 ``length`` the payload size where the receiver cannot know it, ``lr`` the learning rate
-the server applied. Which payloads follow a header is the strategy's policy, given to the
-receiver as a :data:`ReadBody`; the kinds every strategy shares (DONE, STATE, LOAD and
+the server applied, ``count`` how many pieces share the message (a p3 bundle: an int64
+manifest of their indices and priorities comes first, then their values end to end).
+Which payloads follow a header is the strategy's policy, given to the receiver as a
+:data:`ReadBody`; the kinds every strategy shares (DONE, STATE, LOAD and
 their replies) are read here.
 
 Why point-to-point and not collectives on subgroups: asynchronous servers must take each
@@ -22,7 +24,7 @@ process through the same queue, and replies come back through a local callback.
 Example:
     >>> header = Header(Kind.PUSH, worker=1, step=7, length=3)
     >>> Header.decode(header.encode())
-    Header(kind=<Kind.PUSH: 0>, worker=1, step=7, index=-1, priority=0, length=3, lr=0.0)
+    Header(kind=<Kind.PUSH: 0>, worker=1, step=7, index=-1, priority=0, length=3, lr=0.0, count=1)
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
-HEADER = 7
+HEADER = 8
 MAX_PENDING = 64  # sends an Outbox keeps in flight before it waits for the oldest
 TAG_PUSH, TAG_REPLY = 101, 102  # worker → server, server → worker
 
@@ -77,15 +79,16 @@ class Header:
     priority: int = 0
     length: int = 0
     lr: float = 0.0
+    count: int = 1
 
     def encode(self) -> Tensor:
         values = [self.kind, self.worker, self.step, self.index, self.priority, self.length]
-        return torch.tensor([*values, self.lr], dtype=torch.float64)
+        return torch.tensor([*values, self.lr, self.count], dtype=torch.float64)
 
     @classmethod
     def decode(cls, tensor: Tensor) -> Header:
-        kind, *numbers, lr = tensor.tolist()
-        return cls(Kind(int(kind)), *(int(n) for n in numbers), lr=lr)
+        kind, *numbers, lr, count = tensor.tolist()
+        return cls(Kind(int(kind)), *(int(n) for n in numbers), lr=lr, count=int(count))
 
 
 @dataclass

@@ -113,10 +113,10 @@ def _blocking_sender(fifo: bool):
     """A sender whose first send blocks until released: everything queued meanwhile waits."""
     release, sent = threading.Event(), []
 
-    def send(item: tuple[int, int], record) -> None:
+    def send(items: list[tuple[int, int]], records) -> None:
         if not sent:
             release.wait(5)
-        sent.append(item)
+        sent.extend(items)
 
     return PrioritySender(send, name="test-send", fifo=fifo), release, sent
 
@@ -140,3 +140,41 @@ def test_an_early_layer_overtakes_queued_later_layers_unless_fifo(fifo: bool) ->
         # The send log: whenever several layers were queued, the lowest went first.
         for record in sender.log:
             assert record.next_priority is None or record.priority <= record.next_priority
+
+
+def test_slices_queued_back_to_back_share_a_message_per_peer_in_order() -> None:
+    """The first send blocks; meanwhile slices for peers a and b queue. Each later message
+    holds at most ``bundle_limit`` of one peer's slices, in priority order, and an item
+    that may not share a message (the control item) travels alone."""
+    release, messages = threading.Event(), []
+
+    def send(items: list[tuple[str, int]], records) -> None:
+        if not messages:
+            release.wait(5)
+        messages.append(items)
+
+    sender = PrioritySender(
+        send,
+        name="test-bundle",
+        bundle=lambda item: None if item[0] == "control" else item[0],
+        bundle_limit=2,
+    )
+    sender.put(("a", 0), priority=0)
+    time.sleep(0.05)  # on the wire (blocked) before the rest queue
+    queued = [("a", 3), ("b", 1), ("a", 1), ("a", 2), ("a", 2), ("control", 2), ("b", 4)]
+    for peer, priority in queued:
+        sender.put((peer, priority), priority=priority)
+    release.set()
+    sender.close(timeout_s=5)
+    assert messages == [
+        [("a", 0)],
+        # Taken together in priority order: b1, a1, a2 — a's second a2 would be its third.
+        [("b", 1)],
+        [("a", 1), ("a", 2)],
+        # The control item stops a bundle and goes alone.
+        [("a", 2)],
+        [("control", 2)],
+        [("a", 3)],
+        [("b", 4)],
+    ]
+    assert [r.priority for r in sender.log] == [0, 1, 1, 2, 2, 2, 3, 4]
