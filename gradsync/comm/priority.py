@@ -377,14 +377,18 @@ class P3Server(ServerPolicy):
         self.replies.put((worker, header, values), priority)
 
     def _bundle_peer(self, item: tuple[int, Header, Tensor | None]) -> Hashable | None:
-        """Answers to one remote worker for one step share messages; the rest go alone."""
+        """Answers to one worker for one step may share a message; the rest go alone."""
         worker, header, _ = item
-        if header.kind != Kind.REPLY or worker == self.outbox.local_peer:
-            return None
-        return (worker, header.step, header.lr)
+        return (worker, header.step, header.lr) if header.kind == Kind.REPLY else None
 
     def _send_reply(self, items: list[tuple[int, Header, Tensor | None]], records: object):
+        """One worker's answers: one message to a remote worker, handed over one by one to
+        the worker in this process."""
         worker, first, payload = items[0]
+        if worker == self.outbox.local_peer:
+            for _, header, values in items:
+                self.outbox.post(worker, header, [] if values is None else [values])
+            return None
         if len(items) == 1:
             header, tensors = first, [] if payload is None else [payload]
         else:

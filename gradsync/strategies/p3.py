@@ -332,16 +332,15 @@ class PriorityPropagation(ServerStrategy):
             self.sender.put((s, self._step, layer, flat_grad), layer)
 
     def _bundle_peer(self, item: Any) -> tuple[int, int] | None:
-        """Gradient slices of one step for one remote server may share a message."""
+        """Gradient slices of one step for one server may share a message."""
         if item[0] == "control":
             return None
         s, step, _, flat_grad = item
-        if flat_grad is None or s.server == self._local_server:
-            return None
-        return (s.server, step)
+        return None if flat_grad is None else (s.server, step)
 
     def _send_slices(self, items: list[Any], records: list[SendRecord]):
-        """One message: a control request, a slice, or a bundle of slices for one server."""
+        """A control request, a slice, or one server's slices: one message for a remote
+        server, handed over one by one to this process's."""
         item, record = items[0], records[0]
         if item[0] == "control":
             _, kind, server = item
@@ -352,9 +351,10 @@ class PriorityPropagation(ServerStrategy):
             header = Header(Kind.NO_GRADIENT, self.worker, step, s.index, layer)
             self._bytes_sent += self.links.send(s.server, header, [])
             return None
-        if s.server == self._local_server:  # the server reads it, never writes
-            header = Header(Kind.PUSH, self.worker, step, s.index, layer, s.numel)
-            self.links.send(s.server, header, [flat_grad[s.start : s.stop]])
+        if s.server == self._local_server:  # the server reads them, never writes
+            for s, step, layer, flat_grad in items:
+                header = Header(Kind.PUSH, self.worker, step, s.index, layer, s.numel)
+                self.links.send(s.server, header, [flat_grad[s.start : s.stop]])
             return None
         header, tensors = bundle_message(
             Kind.PUSH,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -12,10 +13,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradsync.comm.layer_order import LayerOrder
-from gradsync.comm.priority import PrioritySender
+from gradsync.comm.priority import P3Server, PrioritySender, bundle_message, unbundle
+from gradsync.comm.server import ServerMetrics, ShardState
 from gradsync.comm.slicing import server_sizes, slice_bounds, slice_variables
+from gradsync.comm.wire import Header, Kind, Message
+from gradsync.config import OptimConfig
 from gradsync.errors import UserError
 from gradsync.models import build_workload
+from gradsync.optim import Updater
 
 shapes = st.lists(
     st.lists(st.integers(1, 30), min_size=1, max_size=2).map(tuple), min_size=1, max_size=10
@@ -178,3 +183,53 @@ def test_slices_queued_back_to_back_share_a_message_per_peer_in_order() -> None:
         [("b", 4)],
     ]
     assert [r.priority for r in sender.log] == [0, 1, 1, 2, 2, 2, 3, 4]
+
+
+class _HeldOutbox:
+    """An outbox whose first post waits for ``release`` (``held`` is set once it waits):
+    what is queued meanwhile queues behind it."""
+
+    local_peer = None
+
+    def __init__(self) -> None:
+        self.held, self.release, self.posts = threading.Event(), threading.Event(), []
+
+    def post(self, peer: int, header: Header, tensors: list[torch.Tensor]):
+        if not self.posts:
+            self.held.set()
+            self.release.wait(5)
+        self.posts.append((peer, header, [t.clone() for t in tensors]))
+        return 0, lambda: None
+
+
+def test_a_server_applies_bundled_slices_like_single_ones_and_bundles_its_answers() -> None:
+    """Two workers push slices 0–2 of one step, worker 0 as one bundle and worker 1 one by
+    one. Every slice is applied once with the mean gradient; the answers, queued while a
+    state reply is on the wire, go out as one bundle per worker, in priority order."""
+    sizes, optim = (2, 3, 1), OptimConfig(lr=0.5, momentum=0.0)
+    states = {
+        i: ShardState(torch.zeros(n), lambda ps: Updater(ps, optim, lr=0.5))
+        for i, n in enumerate(sizes)
+    }
+    outbox = _HeldOutbox()
+    server = P3Server(
+        states, outbox, ServerMetrics(), num_workers=2, fifo=False, timeout_s=5,
+        slices_per_message=4,
+    )  # fmt: skip
+    server.on_state(Message(Header(Kind.STATE, worker=0)))
+    assert outbox.held.wait(5)
+    grads = [torch.arange(6.0), torch.arange(6.0) * 3]  # slices end to end, per worker
+    pieces = [Header(Kind.PUSH, step=0, index=i, priority=2 - i) for i in range(3)]
+    header, tensors = bundle_message(Kind.PUSH, pieces, list(grads[0].split(sizes)), worker=0)
+    server.on_push(Message(header, tensors))
+    for piece, grad in zip(pieces, grads[1].split(sizes), strict=True):
+        server.on_push(Message(dataclasses.replace(piece, worker=1, length=grad.numel()), [grad]))
+    outbox.release.set()
+    server.close()
+    expected = -0.5 * (grads[0] + grads[1]) / 2
+    assert torch.equal(torch.cat([states[i].values for i in range(3)]), expected)
+    kinds = [(peer, h.kind, h.count) for peer, h, _ in outbox.posts]
+    assert kinds == [(0, Kind.STATE_REPLY, 1), (0, Kind.REPLY, 3), (1, Kind.REPLY, 3)]
+    for _, bundled, (manifest, values) in outbox.posts[1:]:
+        assert unbundle(bundled, [manifest]) == [(2, 0), (1, 1), (0, 2)]  # priority order
+        assert torch.equal(values, torch.cat([states[i].values for i in (2, 1, 0)]))
