@@ -9,11 +9,11 @@ slice already on the wire. ``fifo=True`` ignores the priorities (the ``--no-prio
 ablation): arrival order.
 
 Items may share a message (``bundle``): with the most urgent item the thread also takes
-the items right behind it in the queue, in order, up to ``bundle_limit`` per peer, and
-sends them as one message per peer. Priority order is kept; what changes is the unit an
-urgent item may wait behind: one message of up to ``bundle_limit`` items instead of one
-item. Per message, the cost of a send (a header, a wake-up of each thread on the way)
-is paid once.
+the items right behind it in the queue, in order, up to ``bundle_limit`` per peer and the
+room left in the window of items in flight, and sends them as one message per peer.
+Priority order is kept, and so is the bound on what an urgent item waits behind (the
+window, in items); per message, the cost of a send (a header, a wake-up of each thread on
+the way) is paid once.
 
 Every item sent is recorded in :attr:`PrioritySender.log` (bounded) with what was still
 waiting, so the order can be checked afterwards.
@@ -59,6 +59,16 @@ LAST = 2**40  # priority of control messages: after every slice
 SEND_WINDOW = 4  # slices in flight per sender: keeps the link busy; preemption waits ≤ this
 
 
+def send_window(slices_per_message: int) -> int:
+    """Slices a P3 sender keeps in flight: ``SEND_WINDOW``, or one full bundle if larger.
+
+    Example:
+        >>> send_window(1), send_window(4), send_window(16)
+        (4, 4, 16)
+    """
+    return max(SEND_WINDOW, slices_per_message)
+
+
 @dataclass(frozen=True)
 class SendRecord:
     """One send: its priority and arrival number, and the most urgent item left waiting."""
@@ -79,15 +89,16 @@ class PrioritySender:
     """Queue of ready items; a thread sends them with ``send(items, records)``, most urgent
     first.
 
-    ``send`` runs on the sender thread with one message's items (one item, or a bundle for
-    one peer, in queue order). It either blocks until the message has left and returns
-    None, or starts an asynchronous send and returns a function that waits for it; at most
-    ``window`` such sends are in flight (the oldest is waited for before the next starts;
-    a bundle taken for several peers may add one message per peer), so an urgent item
-    waits behind at most about ``window`` messages already on the wire. ``bundle(item)``
-    names the peer of an item that may share a message, None for one that travels alone.
-    An exception in ``send`` stops the thread; :attr:`error` holds it and :meth:`put` and
-    :meth:`close` re-raise it.
+    ``send`` runs on the sender thread with one peer's items (one item, or a bundle in
+    queue order). It either blocks until they have left and returns None, or starts an
+    asynchronous send and returns a function that waits for it. At most ``window`` items
+    are in flight (the oldest send is waited for before more start), so an urgent item
+    waits behind at most ``window`` items already on the wire, bundled or not: a bundle
+    takes only the room the window has left, so items share messages when the link keeps
+    up and go one by one when it is the bottleneck. ``bundle(item)`` names the peer of an
+    item that may share a message, None for one that travels alone. An exception in
+    ``send`` stops the thread; :attr:`error` holds it and :meth:`put` and :meth:`close`
+    re-raise it.
     """
 
     def __init__(
@@ -105,7 +116,8 @@ class PrioritySender:
         self.window = window
         self._bundle = bundle
         self.bundle_limit = bundle_limit
-        self._in_flight: deque[Callable[[], None]] = deque()
+        self._in_flight: deque[tuple[Callable[[], None], int]] = deque()  # (wait, items)
+        self._num_in_flight = 0
         self.error: BaseException | None = None
         self.log: deque[SendRecord] = deque(maxlen=log_limit)
         self._send = send
@@ -130,32 +142,37 @@ class PrioritySender:
                 with self._cond:
                     while not self._heap and not self._in_flight:
                         self._cond.wait()
-                    taken: list[tuple[Any, SendRecord]] = []
-                    if self._heap and len(self._in_flight) < self.window:
-                        taken = self._take()
+                    room = self.window - self._num_in_flight
+                    taken = self._take(room) if self._heap and room > 0 else []
                 if not taken:  # nothing queued, or the window is full: finish the oldest
-                    self._in_flight.popleft()()
+                    self._finish_oldest()
                     continue
                 if taken[0][0] is _STOP:
                     while self._in_flight:
-                        self._in_flight.popleft()()
+                        self._finish_oldest()
                     return
                 for items, records in _per_peer(taken, self._bundle):
                     finish = self._send(items, records)
                     if finish is not None:
-                        self._in_flight.append(finish)
+                        self._in_flight.append((finish, len(items)))
+                        self._num_in_flight += len(items)
         except BaseException as error:  # the owner re-raises it on its next put/wait
             self.error = error
 
-    def _take(self) -> list[tuple[Any, SendRecord]]:
-        """Under the lock: the most urgent item, then the items right behind it while each
-        may share a message with at most ``bundle_limit`` − 1 others for its peer."""
+    def _finish_oldest(self) -> None:
+        finish, count = self._in_flight.popleft()
+        finish()
+        self._num_in_flight -= count
+
+    def _take(self, room: int) -> list[tuple[Any, SendRecord]]:
+        """Under the lock: the most urgent item, then the items right behind it, at most
+        ``room`` in all and ``bundle_limit`` for one peer."""
         taken = [self._pop()]
         peer = self._peer(taken[0][0])
         if peer is None:
             return taken
         counts = {peer: 1}
-        while self._heap:
+        while self._heap and len(taken) < room:
             peer = self._peer(self._heap[0][2])
             if peer is None or counts.get(peer, 0) >= self.bundle_limit:
                 break
@@ -318,7 +335,7 @@ class P3Server(ServerPolicy):
             self._send_reply,
             name="p3-reply",
             fifo=fifo,
-            window=SEND_WINDOW,
+            window=send_window(slices_per_message),
             bundle=self._bundle_peer,
             bundle_limit=slices_per_message,
         )
@@ -439,6 +456,7 @@ __all__ = [
     "SendRecord",
     "bundle_message",
     "read_manifest",
+    "send_window",
     "slice_reader",
     "unbundle",
 ]

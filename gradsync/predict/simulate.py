@@ -560,12 +560,13 @@ def _simulate_sync_ps(
     return synced + copy_out, spans, 2 * total
 
 
-def _wire(cluster: Cluster, transfer: Any) -> tuple[float, int]:
+def _wire(cluster: Cluster, transfer: Any, messages: int = 2) -> tuple[float, int]:
     """What one push or pull of ``transfer`` (``server``, ``num_bytes``) moves between
-    processes over the whole job: one copy per remote worker, each a header and a payload
-    message (the toolkit's transport); a colocated worker's copy stays in its process."""
+    processes over the whole job: one copy per remote worker, each ``messages`` messages
+    (the toolkit's transport: a header and a payload; a p3 bundle adds its manifest); a
+    colocated worker's copy stays in its process."""
     remote = cluster.remote_workers(transfer.server)
-    return remote * transfer.num_bytes, 2 * remote
+    return remote * transfer.num_bytes, messages * remote
 
 
 class _HostLinks:
@@ -774,7 +775,9 @@ def simulate_p3(
             )
             for s in slices
         ]
-        ready = _p3_transfers(jobs, cluster, profile, len(layer_seconds), spans)
+        ready = _p3_transfers(
+            jobs, cluster, profile, len(layer_seconds), spans, options.slices_per_message
+        )
         ends.append(backward_end)
         start = backward_end
     step = ends[-1] - ends[-2]
@@ -806,16 +809,64 @@ def _forward_with_waits(
     return now
 
 
+@dataclass(frozen=True)
+class _Bundle:
+    """Slices for one server that travel as one message (each way)."""
+
+    jobs: list[_SliceJob]
+
+    @property
+    def server(self) -> int:
+        return self.jobs[0].server
+
+    @property
+    def num_bytes(self) -> float:
+        return sum(job.num_bytes for job in self.jobs)
+
+    @property
+    def messages(self) -> int:
+        """Per copy: a header and the values, and a manifest when several share it."""
+        return 2 if len(self.jobs) == 1 else 3
+
+
+def _take_bundles(
+    waiting: list[tuple[int, int, _SliceJob]], room: int, limit: int
+) -> list[_Bundle]:
+    """As the sender takes them: the most urgent slice, then the slices right behind it,
+    at most ``room`` in all and ``limit`` for one server; one bundle per server.
+
+    Example:
+        >>> jobs = [_SliceJob(0.0, p, p, p, server, 1.0) for p, server in enumerate([0, 1, 0, 0])]
+        >>> waiting = [(job.priority, job.seq, job) for job in jobs]
+        >>> [[j.seq for j in b.jobs] for b in _take_bundles(waiting, 4, 2)], len(waiting)
+        ([[0, 2], [1]], 1)
+    """
+    taken = [heapq.heappop(waiting)[2]]
+    counts = {taken[0].server: 1}
+    while waiting and len(taken) < room and counts.get(waiting[0][2].server, 0) < limit:
+        job = heapq.heappop(waiting)[2]
+        counts[job.server] = counts.get(job.server, 0) + 1
+        taken.append(job)
+    per_server: dict[int, list[_SliceJob]] = {}
+    for job in taken:
+        per_server.setdefault(job.server, []).append(job)
+    return [_Bundle(jobs) for jobs in per_server.values()]
+
+
 def _p3_transfers(
     jobs: list[_SliceJob],
     cluster: Cluster,
     profile: Profile,
     num_layers: int,
     spans: list[Span],
+    slices_per_message: int = 1,
 ) -> list[float]:
-    """Send ``jobs`` most urgent first with ``SEND_WINDOW`` in flight; return, per layer,
-    when its last slice is back."""
-    from gradsync.strategies.p3 import SEND_WINDOW
+    """Send ``jobs`` most urgent first, up to ``slices_per_message`` for one server in a
+    message, with at most ``send_window`` slices in flight (a bundle takes only the room
+    left); return, per layer, when its last slice is back."""
+    from gradsync.comm.priority import send_window
+
+    window = send_window(slices_per_message)
 
     net = cluster.network
     workers = cluster.workers
@@ -829,12 +880,14 @@ def _p3_transfers(
     reverse = net.bidirectional_slowdown - 1.0
     arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
     waiting: list[tuple[int, int, _SliceJob]] = []
-    in_flight: list[float] = []
+    in_flight: list[tuple[float, int]] = []  # (pushed, slices)
+    num_in_flight = 0
     layer_ready = [0.0] * num_layers
     now, next_arrival = 0.0, 0
     while next_arrival < len(arrivals) or waiting:
-        if len(in_flight) >= SEND_WINDOW:
-            now = max(now, heapq.heappop(in_flight))
+        while num_in_flight >= window:
+            pushed, count = heapq.heappop(in_flight)
+            now, num_in_flight = max(now, pushed), num_in_flight - count
         if not waiting:
             now = max(now, arrivals[next_arrival].ready)
         while next_arrival < len(arrivals) and arrivals[next_arrival].ready <= now:
@@ -842,27 +895,31 @@ def _p3_transfers(
             # Ties (and every item, without priority) go in arrival order, as in the sender.
             heapq.heappush(waiting, (job.priority, next_arrival, job))
             next_arrival += 1
-        job = heapq.heappop(waiting)[2]
-        s = job.server
-        out_s, in_s = out_factor * job.num_bytes / net.rate, remote[s] * job.num_bytes / net.rate
-        pushed = max(worker_out.hold(now, out_s), server_in[s].hold(now, in_s)) + net.hop_s
-        if reverse > 0:  # not fully duplex: the other direction is held (d − 1)·t too
-            worker_in.hold(now, reverse * out_s)
-            server_out[s].hold(now, reverse * in_s)
-        heapq.heappush(in_flight, pushed)
-        work = job.num_bytes * per_byte_apply + profile.server_round_s
-        applied = server_cpu[s].hold(pushed, work)
-        back = max(server_out[s].hold(applied, in_s), worker_in.hold(applied, out_s)) + net.hop_s
-        if reverse > 0:
-            server_in[s].hold(applied, reverse * in_s)
-            worker_out.hold(applied, reverse * out_s)
-        wire = _wire(cluster, job)
-        spans += [
-            Span(COMM_TRACK, f"PUSH layer{job.layer}", now, pushed - now, *wire),
-            Span(SERVER_TRACK, f"AGGREGATE_APPLY layer{job.layer}", applied - work, work),
-            Span(COMM_TRACK, f"PULL layer{job.layer}", applied, back - applied, *wire),
-        ]
-        layer_ready[job.layer] = max(layer_ready[job.layer], back)
+        room = window - num_in_flight
+        for bundle in _take_bundles(waiting, room, slices_per_message):
+            s, num_bytes, layer = bundle.server, bundle.num_bytes, bundle.jobs[0].layer
+            out_s, in_s = out_factor * num_bytes / net.rate, remote[s] * num_bytes / net.rate
+            pushed = max(worker_out.hold(now, out_s), server_in[s].hold(now, in_s)) + net.hop_s
+            if reverse > 0:  # not fully duplex: the other direction is held (d − 1)·t too
+                worker_in.hold(now, reverse * out_s)
+                server_out[s].hold(now, reverse * in_s)
+            heapq.heappush(in_flight, (pushed, len(bundle.jobs)))
+            num_in_flight += len(bundle.jobs)
+            work = num_bytes * per_byte_apply + len(bundle.jobs) * profile.server_round_s
+            applied = server_cpu[s].hold(pushed, work)
+            back = max(server_out[s].hold(applied, in_s), worker_in.hold(applied, out_s))
+            back += net.hop_s
+            if reverse > 0:
+                server_in[s].hold(applied, reverse * in_s)
+                worker_out.hold(applied, reverse * out_s)
+            wire = _wire(cluster, bundle, bundle.messages)
+            spans += [
+                Span(COMM_TRACK, f"PUSH layer{layer}", now, pushed - now, *wire),
+                Span(SERVER_TRACK, f"AGGREGATE_APPLY layer{layer}", applied - work, work),
+                Span(COMM_TRACK, f"PULL layer{layer}", applied, back - applied, *wire),
+            ]
+            for job in bundle.jobs:
+                layer_ready[job.layer] = max(layer_ready[job.layer], back)
     return layer_ready
 
 

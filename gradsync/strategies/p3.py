@@ -67,6 +67,7 @@ from gradsync.comm.priority import (
     SendRecord,
     bundle_message,
     read_manifest,
+    send_window,
     slice_reader,
     unbundle,
 )
@@ -275,7 +276,7 @@ class PriorityPropagation(ServerStrategy):
             self._send_slices,
             name="p3-send",
             fifo=not context.config.strategy_options.priority,
-            window=SEND_WINDOW,
+            window=send_window(context.config.strategy_options.slices_per_message),
             bundle=self._bundle_peer,
             bundle_limit=context.config.strategy_options.slices_per_message,
         )

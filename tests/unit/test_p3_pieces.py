@@ -147,10 +147,28 @@ def test_an_early_layer_overtakes_queued_later_layers_unless_fifo(fifo: bool) ->
             assert record.next_priority is None or record.priority <= record.next_priority
 
 
-def test_slices_queued_back_to_back_share_a_message_per_peer_in_order() -> None:
+BUNDLED = {
+    # window (items in flight, here the room of every take): the messages after the first
+    4: [
+        # Taken together in priority order: b1, a1, a2 — a's second a2 would be its third.
+        [("b", 1)],
+        [("a", 1), ("a", 2)],
+        # The control item stops a bundle and goes alone.
+        [("a", 2)],
+        [("control", 2)],
+        [("a", 3)],
+        [("b", 4)],
+    ],
+    2: [[("b", 1)], [("a", 1)], [("a", 2), ("a", 2)], [("control", 2)], [("a", 3)], [("b", 4)]],
+}
+
+
+@pytest.mark.parametrize("window", list(BUNDLED))
+def test_slices_queued_back_to_back_share_a_message_per_peer_in_order(window: int) -> None:
     """The first send blocks; meanwhile slices for peers a and b queue. Each later message
-    holds at most ``bundle_limit`` of one peer's slices, in priority order, and an item
-    that may not share a message (the control item) travels alone."""
+    holds at most ``bundle_limit`` of one peer's slices, a take at most ``window`` items,
+    in priority order, and an item that may not share a message (the control item)
+    travels alone."""
     release, messages = threading.Event(), []
 
     def send(items: list[tuple[str, int]], records) -> None:
@@ -161,6 +179,7 @@ def test_slices_queued_back_to_back_share_a_message_per_peer_in_order() -> None:
     sender = PrioritySender(
         send,
         name="test-bundle",
+        window=window,
         bundle=lambda item: None if item[0] == "control" else item[0],
         bundle_limit=2,
     )
@@ -171,17 +190,7 @@ def test_slices_queued_back_to_back_share_a_message_per_peer_in_order() -> None:
         sender.put((peer, priority), priority=priority)
     release.set()
     sender.close(timeout_s=5)
-    assert messages == [
-        [("a", 0)],
-        # Taken together in priority order: b1, a1, a2 — a's second a2 would be its third.
-        [("b", 1)],
-        [("a", 1), ("a", 2)],
-        # The control item stops a bundle and goes alone.
-        [("a", 2)],
-        [("control", 2)],
-        [("a", 3)],
-        [("b", 4)],
-    ]
+    assert messages == [[("a", 0)], *BUNDLED[window]]
     assert [r.priority for r in sender.log] == [0, 1, 1, 2, 2, 2, 3, 4]
 
 
@@ -214,7 +223,7 @@ def test_a_server_applies_bundled_slices_like_single_ones_and_bundles_its_answer
     outbox = _HeldOutbox()
     server = P3Server(
         states, outbox, ServerMetrics(), num_workers=2, fifo=False, timeout_s=5,
-        slices_per_message=4,
+        slices_per_message=8,
     )  # fmt: skip
     server.on_state(Message(Header(Kind.STATE, worker=0)))
     assert outbox.held.wait(5)

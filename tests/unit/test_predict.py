@@ -155,7 +155,7 @@ def test_pushes_that_leave_together_arrive_together() -> None:
     assert predict_step(profile, cluster, choice).step_s == pytest.approx(3.0 + 4.0 + 4.0)
 
 
-def p3_case(priority: bool) -> float:
+def p3_case(priority: bool, slices_per_message: int = 1) -> float:
     """Layer 0 (1 slice) becomes ready 1 s after layer 1's 6 slices; every slice takes 1 s
     on each link. Derivation in docs/predict.md ("a priority case"): the next forward waits
     for layer 0 until backward end + 6 s with priority, + 8 s without (FIFO)."""
@@ -169,13 +169,22 @@ def p3_case(priority: bool) -> float:
         ],
     )
     cluster = Cluster(workers=1, network=Network(bandwidth=4000.0))
-    choice = StrategyChoice("p3", P3Options(slice_size=1000, priority=priority))
-    return predict_step(profile, cluster, choice).step_s
+    options = P3Options(slice_size=1000, priority=priority, slices_per_message=slices_per_message)
+    return predict_step(profile, cluster, StrategyChoice("p3", options)).step_s
 
 
 def test_p3_priority_lets_the_first_layer_overtake() -> None:
     assert p3_case(priority=True) == pytest.approx(9.0)
     assert p3_case(priority=False) == pytest.approx(10.0)
+
+
+def test_p3_bundles_cost_pipelining_where_the_link_is_the_bottleneck() -> None:
+    """Four slices a message (docs/predict.md): layer 1's first four leave as one 4 s
+    message, layer 0's slice shares the next with the last two (3 s, pushed at +7 s); each
+    answer leaves once its whole message is applied, so layer 0 is back at backward start
+    + 11 s and the period is 13 s, priority or not."""
+    assert p3_case(priority=True, slices_per_message=4) == pytest.approx(13.0)
+    assert p3_case(priority=False, slices_per_message=4) == pytest.approx(13.0)
 
 
 def test_calibration_recovers_latency_and_efficiency(tmp_path) -> None:
