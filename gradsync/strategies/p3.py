@@ -13,15 +13,15 @@ changes that let communication overlap computation:
    them most urgent first, so a late slice of an early layer overtakes the queued slices
    of later layers.
 
-Messages: up to ``--slices-per-message`` slices (default 16) queued back to back for the
-same server (and answers for the same worker) travel as one message, and that many slices
-(at least 4) may be in flight. MXNet's P3 sends a message per slice with a few in flight
-(``slices_per_message=1`` here: 4); its messages cost microseconds in C++, while each of
-ours passes through Gloo and several Python threads (2.4–3.6 ms of CPU per slice across
-the processes on vgg16). Sharing messages keeps the order and the slices the server
-applies; an urgent slice may wait behind up to 16 slices on the wire instead of 4. On 2
-cores this took p3 from 0.68× to 0.94× ``ps`` on loopback (vgg16; 1 Gbit/s: 0.88× to
-0.93×; docs/results/strategies-vs-ddp/session8).
+Messages: ``--slices-per-message N`` lets up to N slices queued back to back for the same
+server (and answers for the same worker) travel as one message, with N slices (at least
+4) in flight. The default, 1, is MXNet's P3: a message per slice, 4 in flight. P3's
+messages cost microseconds in C++; each of ours passes through Gloo and several Python
+threads (2.4–3.6 ms of CPU per slice across the processes on vgg16), so where the cores are
+the bottleneck 16 per message takes p3 from 0.68× to 0.94× ``ps`` (vgg16 on loopback, 2
+cores). Behind a 300 Mbit/s link the larger messages cost 12% instead
+(docs/results/strategies-vs-ddp/session8). Sharing messages keeps the order and the slices
+the server applies; an urgent slice may wait behind N slices on the wire instead of 4.
 
 Pull is merged into push: a server answers each slice, once every worker's contribution is
 in and applied, with the updated slice, which a receiver thread per server writes straight
@@ -108,7 +108,7 @@ from gradsync.strategies.base import Context, ServerOptions, ServerStrategy
 from gradsync.trace import COMPUTE, Phase
 
 DEFAULT_SLICE_SIZE = 40_000
-DEFAULT_SLICES_PER_MESSAGE = 16
+DEFAULT_SLICES_PER_MESSAGE = 1
 
 
 @dataclass(frozen=True, kw_only=True)

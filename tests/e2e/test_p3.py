@@ -1,8 +1,8 @@
 """Strategy ``p3`` end to end: it matches ``single`` on three models; bad options exit 2.
 
 One verify run per model keeps the cost down; together they cover 1 and 2 dedicated
-servers and colocated ones, priority order and FIFO, slicing on and off, slices sharing
-messages (the default) and a message per slice.
+servers and colocated ones, priority order and FIFO, slicing on and off, a message per
+slice (the default) and slices sharing messages.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ CELLS = {
     # model: verify --strategies
     "vgg16": "p3",
     "resnet56": "p3:servers=2,p3:slicing=false",
-    "transformer": "p3:servers=2:priority=false,p3:colocate:slices_per_message=1",
+    "transformer": "p3:servers=2:priority=false,p3:colocate:slices_per_message=16",
 }
 
 
