@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gradsync.config import LaunchConfig
 from gradsync.errors import UserError
@@ -263,22 +263,17 @@ def _operation(op: str, size: int, rank: int, world_size: int) -> tuple[Callable
     return lambda: None, moved
 
 
-def _slowest(seconds: float) -> float:
+def _over_ranks(seconds: float, reduce: Literal["max", "mean"]) -> float:
+    """``seconds`` of every rank reduced to one number each rank gets: the slowest rank's
+    (``"max"``) or their average (``"mean"``). A collective: every rank calls it."""
     import torch
     import torch.distributed as dist
 
     value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
-def _mean(seconds: float) -> float:
-    """``seconds`` averaged over the ranks."""
-    import torch
-    import torch.distributed as dist
-
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value)
+    if reduce == "max":
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return float(value.item()) / dist.get_world_size()
 
 
@@ -290,7 +285,7 @@ def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[
     dist.barrier()
     start = time.perf_counter()
     run()
-    first = _slowest(time.perf_counter() - start)
+    first = _over_ranks(time.perf_counter() - start, "max")
     fits = int(config.time_budget_s / max(first, 1e-9))
     iters = max(1, min(config.iters, fits))
     warmup = 1 + max(0, min(config.warmup_iters - 1, fits // 2))
@@ -301,8 +296,8 @@ def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[
     for _ in range(iters):
         run()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    seconds = _slowest(wall) / iters  # the clocks are read before these collectives
-    cpu_s = _mean(cpu / iters)
+    seconds = _over_ranks(wall, "max") / iters  # the clocks are read before these collectives
+    cpu_s = _over_ranks(cpu / iters, "mean")
     factor = busbw_factor(op, env.world_size)
     algbw = moved / seconds
     return {

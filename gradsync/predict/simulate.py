@@ -42,11 +42,10 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gradsync.config import TrainConfig
@@ -159,7 +158,6 @@ def _on_shared_cores(
     with backward longer by the previous round's stretch, measure the new one
     (:func:`shared_core_stretch`), until it settles.
     """
-    base = profile.backward_s
     extra = 0.0
     result = simulator(profile, cluster, options)
     for _ in range(SHARED_CORE_ROUNDS):
@@ -167,20 +165,28 @@ def _on_shared_cores(
         if abs(new - extra) < 1e-9:
             break
         extra = new
-        stretched = _stretch_backward(profile, (base + extra) / max(base, 1e-12))
-        result = simulator(stretched, cluster, options)
+        result = simulator(_lengthen_backward(profile, extra), cluster, options)
     return result
 
 
-def _stretch_backward(profile: Profile, factor: float) -> Profile:
-    """``profile`` with backward ``factor`` times longer, gradients ready in proportion."""
-    return dataclasses.replace(
-        profile,
-        backward_s=profile.backward_s * factor,
-        variables=tuple(
-            dataclasses.replace(v, grad_ready_s=v.grad_ready_s * factor) for v in profile.variables
-        ),
-    )
+def _stretch_factor(seconds: float, extra_s: float) -> float:
+    """How many times longer ``seconds`` is with ``extra_s`` added (a zero length counts as
+    1e-12 s)."""
+    return (seconds + extra_s) / max(seconds, 1e-12)
+
+
+def _lengthen_forward(profile: Profile, extra_s: float) -> Profile:
+    """``profile`` with forward ``extra_s`` seconds longer, layers starting in proportion."""
+    stretch = _stretch_factor(profile.forward_s, extra_s)
+    starts = tuple(replace(x, forward_start_s=x.forward_start_s * stretch) for x in profile.layers)
+    return replace(profile, forward_s=profile.forward_s + extra_s, layers=starts)
+
+
+def _lengthen_backward(profile: Profile, extra_s: float) -> Profile:
+    """``profile`` with backward ``extra_s`` seconds longer, gradients ready in proportion."""
+    stretch = _stretch_factor(profile.backward_s, extra_s)
+    ready = tuple(replace(v, grad_ready_s=v.grad_ready_s * stretch) for v in profile.variables)
+    return replace(profile, backward_s=profile.backward_s + extra_s, variables=ready)
 
 
 def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) -> float:
@@ -252,21 +258,7 @@ def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
     element = profile.variables[0].element_size
     gather = sum(cluster.ring_allgather_s(3 * c * 8) for c in profile.batchnorm_channels)
     reduce = sum(cluster.ring_allreduce_s(2 * c * element) for c in profile.batchnorm_channels)
-    stretch_forward = (profile.forward_s + gather) / max(profile.forward_s, 1e-12)
-    stretch_backward = (profile.backward_s + reduce) / max(profile.backward_s, 1e-12)
-    return dataclasses.replace(
-        profile,
-        forward_s=profile.forward_s + gather,
-        backward_s=profile.backward_s + reduce,
-        layers=tuple(
-            dataclasses.replace(layer, forward_start_s=layer.forward_start_s * stretch_forward)
-            for layer in profile.layers
-        ),
-        variables=tuple(
-            dataclasses.replace(v, grad_ready_s=v.grad_ready_s * stretch_backward)
-            for v in profile.variables
-        ),
-    )
+    return _lengthen_backward(_lengthen_forward(profile, gather), reduce)
 
 
 # -- bucketed allreduce: allreduce and ddp ---------------------------------------------------
@@ -569,15 +561,41 @@ def _wire(cluster: Cluster, transfer: Any, messages: int = 2) -> tuple[float, in
     return remote * transfer.num_bytes, messages * remote
 
 
+class _Pipe:
+    """A first-come-first-served resource: a link direction or a server's CPU."""
+
+    def __init__(self) -> None:
+        self.free = 0.0
+
+    def hold(self, ready: float, duration: float) -> float:
+        """Take the pipe for ``duration`` once it is free and ``ready`` has come; return
+        when it is released."""
+        start = max(ready, self.free)
+        self.free = start + duration
+        return self.free
+
+    def transfer(self, ready: float, seconds: float, opposite: _Pipe, slowdown: float) -> float:
+        """Send a point-to-point transfer of ``seconds`` over this link direction; return
+        when it has crossed.
+
+        Where the network is not fully duplex (``slowdown``: the measured
+        ``Network.bidirectional_slowdown`` d > 1), the transfer also holds the ``opposite``
+        direction of the same link for (d − 1)·``seconds`` from ``ready``: two equal
+        transfers the opposite ways then take d·t together, one alone t.
+        """
+        crossed = self.hold(ready, seconds)
+        if slowdown > 1.0:
+            opposite.hold(ready, (slowdown - 1.0) * seconds)
+        return crossed
+
+
 class _HostLinks:
     """Every host's link, each way, as a first-come-first-served pipe. A push from the
     workers to server s holds the outbound link of each other host with workers (one copy
     per worker there) and the inbound link of s's host (one copy per remote worker); a pull
     the reverse. Servers sharing a host share its link, and so do a colocated server's
-    answers and its worker's pushes. Where the network is not fully duplex for
-    point-to-point transfers (``Network.bidirectional_slowdown`` d > 1, measured), a
-    transfer of t seconds also holds the opposite direction of the same links for
-    (d − 1)·t: two equal transfers the opposite ways then take d·t together, one alone t."""
+    answers and its worker's pushes. Each transfer also holds the opposite direction of its
+    link where the network is not fully duplex (:meth:`_Pipe.transfer`)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -587,8 +605,7 @@ class _HostLinks:
         hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
         self.outbound = {h: _Pipe() for h in hosts}
         self.inbound = {h: _Pipe() for h in hosts}
-
-        self.reverse = cluster.network.bidirectional_slowdown - 1.0
+        self.slowdown = cluster.network.bidirectional_slowdown
 
     def push(self, ready: float, server: int, num_bytes: float) -> float:
         return self._move(ready, server, num_bytes, self.outbound, self.inbound)
@@ -604,20 +621,30 @@ class _HostLinks:
         worker_side: dict[int, _Pipe],
         server_side: dict[int, _Pipe],
     ) -> float:
+        """Move ``num_bytes`` between every worker and ``server`` at once over the host
+        links, ``worker_side`` and ``server_side`` the directions it takes at either end;
+        return when the last copy is in."""
         remote = self.cluster.remote_workers(server)
         if not remote:
             return ready
         host = self.cluster.server_host(server)
-        holds = [(server_side, host, remote * num_bytes / self.rate)]
+        ends = [self._send(ready, server_side, worker_side, host, remote * num_bytes)]
         for h, count in self.cluster.workers_per_host().items():
             if h != host:
-                holds.append((worker_side, h, count * num_bytes / self.rate))
-        ends = [side[h].hold(ready, seconds) for side, h, seconds in holds]
-        if self.reverse > 0:  # the other direction of the same links, for (d − 1)·t
-            for side, h, seconds in holds:
-                opposite = server_side if side is worker_side else worker_side
-                opposite[h].hold(ready, self.reverse * seconds)
+                ends.append(self._send(ready, worker_side, server_side, h, count * num_bytes))
         return max(ends) + self.hop_s
+
+    def _send(
+        self,
+        ready: float,
+        direction: dict[int, _Pipe],
+        opposite: dict[int, _Pipe],
+        host: int,
+        num_bytes: float,
+    ) -> float:
+        """``num_bytes`` over ``host``'s link in ``direction``; return when they are across."""
+        seconds = num_bytes / self.rate
+        return direction[host].transfer(ready, seconds, opposite[host], self.slowdown)
 
 
 def _simulate_async_ps(
@@ -718,18 +745,6 @@ def simulate_hybrid(
 # -- p3 ------------------------------------------------------------------------------------
 
 
-class _Pipe:
-    """A first-come-first-served resource: a link direction or a server's CPU."""
-
-    def __init__(self) -> None:
-        self.free = 0.0
-
-    def hold(self, ready: float, duration: float) -> float:
-        start = max(ready, self.free)
-        self.free = start + duration
-        return self.free
-
-
 @dataclass(frozen=True)
 class _SliceJob:
     ready: float
@@ -782,7 +797,7 @@ def simulate_p3(
         start = backward_end
     step = ends[-1] - ends[-2]
     origin = ends[-2]
-    shifted = [dataclasses.replace(s, start=s.start - origin) for s in spans]
+    shifted = [replace(s, start=s.start - origin) for s in spans]
     return step, shifted, 2.0 * profile.num_bytes
 
 
@@ -877,7 +892,7 @@ def _p3_transfers(
     server_out = [_Pipe() for _ in range(cluster.servers)]
     server_cpu = [_Pipe() for _ in range(cluster.servers)]
     per_byte_apply = profile.aggregate_s_per_byte * workers + profile.apply_s_per_byte
-    reverse = net.bidirectional_slowdown - 1.0
+    slowdown = net.bidirectional_slowdown
     arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
     waiting: list[tuple[int, int, _SliceJob]] = []
     in_flight: list[tuple[float, int]] = []  # (pushed, slices)
@@ -899,19 +914,16 @@ def _p3_transfers(
         for bundle in _take_bundles(waiting, room, slices_per_message):
             s, num_bytes, layer = bundle.server, bundle.num_bytes, bundle.jobs[0].layer
             out_s, in_s = out_factor * num_bytes / net.rate, remote[s] * num_bytes / net.rate
-            pushed = max(worker_out.hold(now, out_s), server_in[s].hold(now, in_s)) + net.hop_s
-            if reverse > 0:  # not fully duplex: the other direction is held (d − 1)·t too
-                worker_in.hold(now, reverse * out_s)
-                server_out[s].hold(now, reverse * in_s)
+            sent = worker_out.transfer(now, out_s, worker_in, slowdown)
+            received = server_in[s].transfer(now, in_s, server_out[s], slowdown)
+            pushed = max(sent, received) + net.hop_s
             heapq.heappush(in_flight, (pushed, len(bundle.jobs)))
             num_in_flight += len(bundle.jobs)
             work = num_bytes * per_byte_apply + len(bundle.jobs) * profile.server_round_s
             applied = server_cpu[s].hold(pushed, work)
-            back = max(server_out[s].hold(applied, in_s), worker_in.hold(applied, out_s))
-            back += net.hop_s
-            if reverse > 0:
-                server_in[s].hold(applied, reverse * in_s)
-                worker_out.hold(applied, reverse * out_s)
+            answered = server_out[s].transfer(applied, in_s, server_in[s], slowdown)
+            received = worker_in.transfer(applied, out_s, worker_out, slowdown)
+            back = max(answered, received) + net.hop_s
             wire = _wire(cluster, bundle, bundle.messages)
             spans += [
                 Span(COMM_TRACK, f"PUSH layer{layer}", now, pushed - now, *wire),
