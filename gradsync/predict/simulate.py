@@ -882,7 +882,6 @@ def _p3_transfers(
     from gradsync.comm.priority import send_window
 
     window = send_window(slices_per_message)
-
     net = cluster.network
     workers = cluster.workers
     out_factor = cluster.busiest_worker_host()
