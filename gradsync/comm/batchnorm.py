@@ -21,63 +21,76 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def _combine_moments(local: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """Global (mean, biased variance, count) from every rank's (count, mean, M2) rows.
+    """Global (mean, biased variance, count) from every rank's float64 (count, mean, M2) rows.
 
-    Chan et al.'s pairwise formula in float64: no E[x²]−E[x]² cancellation, so the result
-    matches a single-process BatchNorm over the whole batch to rounding.
+    Chan et al.'s pairwise formula: no E[x²]−E[x]² cancellation, so the result matches a
+    single-process BatchNorm over the whole batch to rounding. A group of one rank has
+    nothing to gather (``gradsync profile`` times the layer that way).
     """
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    counts, means, m2s = torch.stack(gathered).unbind(1)
+    if dist.get_world_size(group) == 1:
+        counts, means, m2s = local.unsqueeze(1).unbind(0)
+    else:
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        counts, means, m2s = torch.stack(gathered).unbind(1)
     total = counts.sum(0)
     mean = (counts * means).sum(0) / total
     m2 = (m2s + counts * (means - mean) ** 2).sum(0)
     return mean, m2 / total, total[0]
 
 
+def _per_channel(values: Tensor, like: Tensor) -> Tensor:
+    """``values`` (one per channel) shaped to broadcast over ``like`` (N, C, ...)."""
+    return values.view(1, -1, *[1] * (like.dim() - 2))
+
+
 class _GlobalBatchNorm(torch.autograd.Function):
-    """y = x̂·weight + bias over the global batch; ``weight``/``bias`` None when not affine."""
+    """y = x̂·weight + bias over the global batch; ``weight``/``bias`` None when not affine.
+
+    Every pass over the activations is one of torch's fused BatchNorm kernels (the batch
+    moments, the normalization, the two per-channel gradient sums) or one fused
+    multiply-add: the Python around them only touches per-channel vectors.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group: Any
     ) -> tuple[Tensor, Tensor, Tensor]:
-        dims = [0, *range(2, x.dim())]
-        channels = x.shape[1]
-        local_mean = x.mean(dims)
-        local_m2 = ((x - local_mean.view(1, channels, *[1] * (x.dim() - 2))) ** 2).sum(dims)
-        count = torch.full((channels,), x.numel() // channels, dtype=torch.float64, device=x.device)
-        mean, var, total = _combine_moments(
-            torch.stack([count, local_mean.double(), local_m2.double()]), group
-        )
+        count = x.numel() // x.shape[1]
+        local_mean, local_var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        moments = torch.stack([torch.full_like(local_mean, count), local_mean, local_var * count])
+        mean, var, total = _combine_moments(moments.double(), group)
         mean, var = mean.to(x.dtype), var.to(x.dtype)
-        invstd = torch.rsqrt(var + eps)
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        x_hat = (x - mean.view(shape)) * invstd.view(shape)
-        ctx.save_for_backward(x_hat, weight, invstd, total.to(x.dtype))
-        ctx.group, ctx.affine = group, weight is not None
+        # Inference-mode BatchNorm with the global moments as its statistics: x̂·w + b.
+        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+        ctx.save_for_backward(x, weight, mean, var, total.to(x.dtype))
+        ctx.group, ctx.eps = group, eps
         unbiased = (var.double() * total / (total - 1).clamp(min=1)).to(x.dtype)
         ctx.mark_non_differentiable(mean, unbiased)
-        y = x_hat if weight is None else x_hat * weight.view(shape)
-        return (y if bias is None else y + bias.view(shape)), mean, unbiased
+        return y, mean, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x_hat, weight, invstd, total = ctx.saved_tensors
-        dims = [0, *range(2, grad_out.dim())]
-        channels = grad_out.shape[1]
-        shape = [1, channels] + [1] * (grad_out.dim() - 2)
-        grad_bias = grad_out.sum(dims)
-        grad_weight = (grad_out * x_hat).sum(dims)
-        # The input gradient needs the global sums; the parameter gradients stay local and
-        # are averaged by the strategy like every other gradient.
+        x, weight, mean, var, total = ctx.saved_tensors
+        # Σ dy·x̂ and Σ dy per channel, in one pass: the parameter gradients. They stay
+        # local (the strategy averages them like every other gradient); the input gradient
+        # needs their global sums.
+        _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+            grad_out, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+        )
         sums = torch.cat([grad_bias, grad_weight])
-        dist.all_reduce(sums, group=ctx.group)
-        mean_dy = (sums[:channels] / total).view(shape)
-        mean_dy_xhat = (sums[channels:] / total).view(shape)
+        if dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(sums, group=ctx.group)
+        mean_dy, mean_dy_xhat = (sums / total).view(2, -1)
+        invstd = torch.rsqrt(var + ctx.eps)
         scale = invstd if weight is None else invstd * weight
-        grad_x = (grad_out - mean_dy - x_hat * mean_dy_xhat) * scale.view(shape)
-        if not ctx.affine:
+        # grad_x = scale·(dy − mean(dy) − x̂·mean(dy·x̂)), with x̂ = (x − mean)·invstd,
+        # is per channel scale·dy + slope·x + offset.
+        slope = -scale * invstd * mean_dy_xhat
+        offset = -scale * mean_dy - slope * mean
+        grad_x = torch.addcmul(_per_channel(offset, x), x, _per_channel(slope, x))
+        grad_x.addcmul_(grad_out, _per_channel(scale, x))
+        if weight is None:
             return grad_x, None, None, None, None
         return grad_x, grad_weight, grad_bias, None, None
 

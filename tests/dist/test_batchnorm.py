@@ -121,6 +121,38 @@ def test_global_batchnorm_matches_single_process(run_ranks, world_size, kind, mo
     )
 
 
+def _float64_on_ranks(rank: int, world_size: int, kind: str) -> list[dict]:
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _bn_on_ranks(rank, world_size, kind, 0.1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_float64_matches_single_process_to_rounding(run_ranks, world_size, kind):
+    """The exactness claim, where rounding is ~1e-16: outputs, gradients and running
+    statistics agree with torch's own layer to 1e-12. A group of one rank (how
+    ``gradsync profile`` times the layer) gathers nothing and computes the same."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        expected = _reference(kind, 0.1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ranks = run_ranks(world_size, _float64_on_ranks, kind)
+    exact = dict(rtol=1e-12, atol=1e-12)
+    for step in range(NUM_STEPS):
+        want, got = expected[step], [ranks[r][step] for r in range(world_size)]
+        assert want["y"].dtype == torch.float64
+        torch.testing.assert_close(torch.cat([g["y"] for g in got]), want["y"], **exact)
+        grad_x = torch.cat([g["grad_x"] for g in got]) / world_size
+        torch.testing.assert_close(grad_x, want["grad_x"], **exact)
+        for g in got:
+            for key in ("grad_weight", "grad_bias", "running_mean", "running_var"):
+                torch.testing.assert_close(g[key], want[key], **exact, msg=f"{key} step {step}")
+
+
 def test_reference_is_not_trivial():
     """The checks above would be meaningless if local statistics gave the same numbers."""
     expected = _reference("bn2d", 0.1)
