@@ -11,6 +11,13 @@ common arguments, so they run the same workload; the script prints them.
     python benchmarks/interleaved.py --rounds 3 \\
         --common "--model transformer --workers 2 --threads 1 --steps 12 --deterministic" \\
         "ddp=--strategy ddp" "allreduce=--strategy allreduce"
+
+``--checkout NAME=DIR`` runs variant NAME with the gradsync of another checkout (a clone of
+an earlier commit, say), so a change is measured against its parent side by side:
+
+    python benchmarks/interleaved.py --rounds 3 --checkout before=/tmp/parent \\
+        --common "--model resnet56 --workers 2 --threads 1" \\
+        "before=--strategy allreduce" "after=--strategy allreduce"
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ WORKLOAD_FLAGS = {
 }
 
 
-def run(args: list[str], out: Path) -> dict:
-    """One `gradsync train`; its summary.json."""
+def run(args: list[str], out: Path, checkout: str | None = None) -> dict:
+    """One `gradsync train` (of ``checkout``'s gradsync if given); its summary.json."""
     command = [sys.executable, "-m", "gradsync", "train", "--out", str(out), *args]
-    done = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=checkout) if checkout else None
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"{shlex.join(command)} failed:\n{done.stderr[-2000:]}")
     return json.loads((out / "summary.json").read_text())
@@ -57,8 +65,22 @@ def main() -> None:
     parser.add_argument("--common", default="", help="arguments every variant gets")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="runs/interleaved")
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="run variant NAME with the gradsync in DIR (a clone of another commit)",
+    )
     args = parser.parse_args()
     variants = dict(v.split("=", 1) for v in args.variants)
+    checkouts = dict(c.split("=", 1) for c in args.checkout)
+    if unknown := sorted(set(checkouts) - set(variants)):
+        sys.exit(f"--checkout names no variant: {', '.join(unknown)}")
+    for name, directory in checkouts.items():
+        if not (Path(directory) / "gradsync" / "__init__.py").is_file():
+            sys.exit(f"--checkout {name}={directory}: no gradsync package in {directory}")
+        print(f"variant {name} runs the gradsync in {directory}", flush=True)
     common = shlex.split(args.common)
     print(f"held equal (every variant): {args.common}", flush=True)
     for name, extra in variants.items():
@@ -76,7 +98,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, extra in variants.items():
             loads.append(os.getloadavg()[0])
-            summary = run([*common, *shlex.split(extra)], Path(args.out) / f"{name}-r{round_}")
+            out = Path(args.out) / f"{name}-r{round_}"
+            summary = run([*common, *shlex.split(extra)], out, checkouts.get(name))
             rates[name].append(summary["throughput"]["median"])
             sent[name].append(summary["bytes_sent_per_step"])
             cpu[name].append(summary.get("cpu_s_per_step", float("nan")))

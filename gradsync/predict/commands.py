@@ -10,9 +10,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import UserError
+
+if TYPE_CHECKING:
+    from gradsync.predict.profile import Profile
 
 DEFAULT_STRATEGIES = "ddp,allreduce,ps,hybrid,p3"
 DEFAULT_WORKERS = "1,2,4,8,16,32,64"
@@ -54,6 +58,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         default=1,
         metavar="K",
         help="K ranks compute at once (K-1 sibling processes), as K ranks share a machine",
+    )
+    profile.add_argument(
+        "--batchnorm",
+        choices=BATCHNORM_MODES,
+        default=TrainConfig.batchnorm,
+        help="the BatchNorm layers to time, as `gradsync train --batchnorm` (global: gradsync's "
+        "layer, its own work without peers; predict adds the collectives)",
     )
     profile.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     profile.add_argument("--dtype", choices=["float32", "float64"], default="float32")
@@ -182,6 +193,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         optimizer=args.optimizer,
         concurrent=args.concurrent,
+        batchnorm=args.batchnorm,
     )
     profile = measure_profile(request)
     profile.save(Path(args.out))
@@ -193,6 +205,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"{profile.num_bytes / 2**20:.1f} MiB; profile in {args.out}"
     )
     return EXIT_OK
+
+
+def _note_batchnorm_mismatch(profile: Profile, batchnorm: str) -> None:
+    """A note when ``profile`` timed other BatchNorm layers than ``--batchnorm`` trains."""
+    if profile.batchnorm_channels and profile.batchnorm != batchnorm:
+        print(
+            f"note: the profile timed {profile.batchnorm} BatchNorm layers and --batchnorm is "
+            f"{batchnorm}: the layers' own work is as profiled (take the profile with "
+            f"`gradsync profile --batchnorm {batchnorm}` to match)",
+            file=sys.stderr,
+        )
 
 
 EXPERIMENT_KEYS = {
@@ -281,6 +304,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             "cost comes from --calibrate with a commbench.json that has cpu_s",
             file=sys.stderr,
         )
+    _note_batchnorm_mismatch(profile, args.batchnorm)
     base = Cluster(
         workers=1, network=first, ranks_per_host=args.ranks_per_host, shared_cores=shared
     )

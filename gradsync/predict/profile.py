@@ -19,17 +19,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import UserError
 
 FORMAT = "gradsync-profile/1"
@@ -105,6 +107,9 @@ class Profile:
     # Channels of each BatchNorm layer, in model order: with global BatchNorm (gradsync's
     # default) each costs a blocking collective in forward and one in backward.
     batchnorm_channels: tuple[int, ...] = ()
+    # Which BatchNorm the layers' times include: "global" (gradsync's layer, its own work
+    # timed without peers) or "local" (torch's; every profile taken before it was recorded).
+    batchnorm: str = "local"
     host: str = ""
     torch_version: str = ""
 
@@ -210,8 +215,13 @@ class ProfileRequest:
     optimizer: str = "sgd"
     seed: int = 0
     concurrent: int = 1
+    batchnorm: str = TrainConfig.batchnorm
 
     def check(self) -> None:
+        if self.batchnorm not in BATCHNORM_MODES:
+            raise UserError(
+                f"unknown --batchnorm {self.batchnorm!r}; choose {' or '.join(BATCHNORM_MODES)}"
+            )
         if self.concurrent < 1:
             raise UserError(f"--concurrent must be a positive integer, got {self.concurrent}")
         if self.steps <= self.warmup:
@@ -232,7 +242,7 @@ def measure_profile(request: ProfileRequest) -> Profile:
     profile sees the cores shared as k ranks of one machine share them.
     """
     request.check()
-    with _Siblings(request):
+    with _Siblings(request), _solo_group():
         return _measure(request)
 
 
@@ -268,6 +278,11 @@ class _Siblings:
 
 def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:
     """A sibling: forward, backward and update of the same batch until told to stop."""
+    with _solo_group():
+        _sibling_steps(request, stop, ready)
+
+
+def _sibling_steps(request: ProfileRequest, stop: Any, ready: Any) -> None:
     import torch
 
     from gradsync.models import build_workload
@@ -277,6 +292,7 @@ def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:
     workload = build_workload(
         request.model, preset=request.preset, dropout=False, options=request.model_options
     )
+    _use_batchnorm(workload.model, request.batchnorm)
     batch = request.batch or max(1, workload.global_batch // request.workers)
     optimizer = torch.optim.SGD(workload.model.parameters(), lr=1e-3)
     parent = os.getppid()
@@ -313,6 +329,7 @@ def _measure(request: ProfileRequest) -> Profile:
     )
     batch = request.batch or max(1, workload.global_batch // request.workers)
     model = workload.model.to(device)
+    batchnorm = _use_batchnorm(model, request.batchnorm)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     updater = Updater(params.values(), OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
@@ -332,13 +349,45 @@ def _measure(request: ProfileRequest) -> Profile:
             clock.watch_layers(layers.modules)
         clock.count_rows(params)
         clock.time(lambda: updater.update(), "optimizer")
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     from gradsync.probe import sparse_lookup_weights
 
     profile = _assemble(request, batch, clock, layers, params, sparse_lookup_weights(model))
+    return dataclasses.replace(profile, batchnorm_channels=batchnorm, batchnorm=request.batchnorm)
+
+
+def _use_batchnorm(model: Any, batchnorm: str) -> tuple[int, ...]:
+    """Make ``model``'s BatchNorm layers those a multi-worker ``--batchnorm`` run trains
+    with; return their channels in model order.
+
+    Global BatchNorm does its own work (moments, normalization, gradient sums) in a
+    process group of this process alone (:func:`_solo_group`), so nothing is gathered:
+    ``predict`` adds the collectives among the workers of the cluster it simulates.
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from gradsync.comm.batchnorm import convert_batchnorm
+
     channels = tuple(m.num_features for m in model.modules() if isinstance(m, _BatchNorm))
-    return dataclasses.replace(profile, batchnorm_channels=channels)
+    if channels and batchnorm == "global":
+        convert_batchnorm(model, group=None)
+    return channels
+
+
+@contextlib.contextmanager
+def _solo_group() -> Iterator[None]:
+    """A default process group of this process alone while the profile runs."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise UserError("gradsync profile runs outside a distributed job; start it alone")
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 class _StepClock:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.predict.network import (
     Cluster,
@@ -244,6 +245,7 @@ def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:
             steps=plan.profile_steps,
             warmup=min(3, plan.profile_steps - 2),
             concurrent=plan.workers,
+            batchnorm=TrainConfig.batchnorm,  # the cells train with the default
         )
     )
     profile.save(where.with_suffix(".json"))

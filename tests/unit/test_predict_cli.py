@@ -180,6 +180,65 @@ def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> No
     assert steps["global"] - steps["local"] == pytest.approx(20 * (gather + reduce), rel=1e-3)
 
 
+def test_the_profile_times_the_batchnorm_layers_a_run_trains_with() -> None:
+    """--batchnorm global (train's default) times gradsync's layer, alone in a process group
+    of one (so it gathers nothing); local times torch's. Either way the channels are listed,
+    the choice recorded, and no process group is left behind."""
+    import torch.distributed as dist
+
+    profiles = {
+        mode: measure_profile(
+            ProfileRequest(model="resnet56", preset="tiny", steps=3, warmup=1, batchnorm=mode)
+        )
+        for mode in ("global", "local")
+    }
+    assert not dist.is_initialized()
+    assert profiles["global"].batchnorm == "global" and profiles["local"].batchnorm == "local"
+    assert profiles["global"].batchnorm_channels == profiles["local"].batchnorm_channels
+    assert len(profiles["global"].batchnorm_channels) == 7  # 1 + 3 stages × 1 block × 2
+    assert Profile.from_json(profiles["global"].to_json()) == profiles["global"]
+
+
+def test_the_layers_the_profile_converts_compute_torchs_batchnorm() -> None:
+    import copy
+
+    import torch
+    from torch import nn
+
+    from gradsync.comm.batchnorm import GlobalBatchNorm
+    from gradsync.predict.profile import _solo_group, _use_batchnorm
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.BatchNorm2d(3, affine=False)
+    )
+    model = copy.deepcopy(reference)
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    with _solo_group():
+        assert _use_batchnorm(model, "global") == (3, 3)
+        assert isinstance(model[1], GlobalBatchNorm) and isinstance(model[2], GlobalBatchNorm)
+        got = model.double()(x)
+    torch.testing.assert_close(got, reference.double()(x), rtol=1e-12, atol=1e-12)
+
+
+def test_predict_notes_a_profile_timed_with_other_batchnorm_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dataclasses
+
+    path = tmp_path / "bn.json"
+    profile = profile_of([variable("w", 1000, 2.0)])
+    dataclasses.replace(profile, batchnorm_channels=(8,), batchnorm="local").save(path)
+    for mode, noted in (("global", True), ("local", False)):
+        assert main(["predict", "--profile", str(path), "--strategies", "ddp", "--workers",
+                     "2", "--bandwidth", "1gbit", "--batchnorm", mode, "--no-recommend",
+                     "--out", str(tmp_path / mode)]) == 0  # fmt: skip
+        err = capsys.readouterr().err
+        assert ("the profile timed local BatchNorm layers" in err) is noted, err
+        if noted:
+            assert "gradsync profile --batchnorm global" in err
+
+
 def test_a_validation_model_may_list_its_own_bandwidths(tmp_path: Path) -> None:
     from gradsync.errors import UserError
     from gradsync.predict.validate import load_plan
