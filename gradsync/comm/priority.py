@@ -32,7 +32,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,6 +274,28 @@ def unbundle(header: Header, tensors: list[Tensor]) -> list[tuple[int, int]]:
     return list(zip(manifest[: header.count], manifest[header.count :], strict=True))
 
 
+def split_bundle(values: Tensor, lengths: Sequence[int]) -> list[Tensor]:
+    """A bundle's pieces: views of ``values`` (its pieces' values end to end), one per
+    length, in order (no copy); a ValueError if the lengths do not add up to its length.
+
+    Example:
+        >>> [t.tolist() for t in split_bundle(torch.arange(5.0), [2, 3])]
+        [[0.0, 1.0], [2.0, 3.0, 4.0]]
+        >>> split_bundle(torch.arange(5.0), [2, 2])
+        Traceback (most recent call last):
+        ...
+        ValueError: a bundle of 5 values cannot hold pieces of 2 + 2 = 4 values
+    """
+    lengths = list(lengths)
+    if sum(lengths) != values.numel():
+        shown = " + ".join(map(str, lengths)) or "0"
+        raise ValueError(
+            f"a bundle of {values.numel()} values cannot hold pieces of "
+            f"{shown} = {sum(lengths)} values"
+        )
+    return list(values.split(lengths))
+
+
 def bundle_message(
     kind: Kind, headers: list[Header], values: list[Tensor], *, worker: int = -1
 ) -> tuple[Header, list[Tensor]]:
@@ -348,11 +370,11 @@ class P3Server(ServerPolicy):
         if message.kind != Kind.PUSH:  # NO_GRADIENT: always a single slice
             self._on_slice(message.worker, header.step, header.index, header.priority, None)
             return
-        values, start = message.tensors[-1], 0
-        for index, priority in unbundle(header, message.tensors):
-            stop = start + self.states[index].values.numel()
-            self._on_slice(message.worker, header.step, index, priority, values[start:stop])
-            start = stop
+        pieces = unbundle(header, message.tensors)
+        lengths = [self.states[index].values.numel() for index, _ in pieces]
+        grads = split_bundle(message.tensors[-1], lengths)
+        for (index, priority), grad in zip(pieces, grads, strict=True):
+            self._on_slice(message.worker, header.step, index, priority, grad)
 
     def _on_slice(
         self, worker: int, step: int, index: int, priority: int, grad: Tensor | None
@@ -458,5 +480,6 @@ __all__ = [
     "read_manifest",
     "send_window",
     "slice_reader",
+    "split_bundle",
     "unbundle",
 ]

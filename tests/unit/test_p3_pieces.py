@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradsync.comm.layer_order import LayerOrder
+from gradsync.comm.pieces import Piece
 from gradsync.comm.priority import P3Server, PrioritySender, bundle_message, unbundle
 from gradsync.comm.server import ServerMetrics, ShardState
 from gradsync.comm.slicing import server_sizes, slice_bounds, slice_variables
@@ -21,6 +22,7 @@ from gradsync.config import OptimConfig
 from gradsync.errors import UserError
 from gradsync.models import build_workload
 from gradsync.optim import Updater
+from gradsync.strategies.p3 import PriorityPropagation
 
 shapes = st.lists(
     st.lists(st.integers(1, 30), min_size=1, max_size=2).map(tuple), min_size=1, max_size=10
@@ -242,3 +244,16 @@ def test_a_server_applies_bundled_slices_like_single_ones_and_bundles_its_answer
     for _, bundled, (manifest, values) in outbox.posts[1:]:
         assert unbundle(bundled, [manifest]) == [(2, 0), (1, 1), (0, 2)]  # priority order
         assert torch.equal(values, torch.cat([states[i].values for i in (2, 1, 0)]))
+
+
+def test_a_worker_writes_a_bundled_reply_into_its_parameters() -> None:
+    """A bundle's values, its slices end to end, land in each slice's place; the lengths
+    must add up."""
+    strategy = PriorityPropagation.__new__(PriorityPropagation)  # only its parameters
+    strategy.params = {"w": nn.Parameter(torch.zeros(2, 3)), "b": nn.Parameter(torch.zeros(4))}
+    pieces = [Piece("b", 1, 4), Piece("w", 0, 2), Piece("w", 4, 6)]
+    strategy._write_slices(pieces, torch.arange(1.0, 8.0))
+    assert strategy.params["b"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert strategy.params["w"].tolist() == [[4.0, 5.0, 0.0], [0.0, 6.0, 7.0]]
+    with pytest.raises(ValueError, match="a bundle of 6 values cannot hold"):
+        strategy._write_slices(pieces, torch.ones(6))
