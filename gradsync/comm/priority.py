@@ -81,6 +81,72 @@ class SendRecord:
     next_seq: int | None  # lowest arrival number among them
 
 
+class _LeastOf:
+    """The least value among changing ``(value, seq)`` entries (``seq`` unique): a heap
+    whose removed entries are dropped once they reach the top, so each entry costs
+    O(log n) in all.
+
+    Example:
+        >>> least = _LeastOf()
+        >>> least.add(3, seq=0); least.add(1, seq=1); least.remove(1); least.value()
+        3
+        >>> least.remove(0); least.value() is None
+        True
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int]] = []
+        self._removed: set[int] = set()  # seqs removed but still in the heap
+
+    def add(self, value: int, seq: int) -> None:
+        """Add the entry ``seq``, of ``value``."""
+        heapq.heappush(self._heap, (value, seq))
+
+    def remove(self, seq: int) -> None:
+        """Remove the entry ``seq`` (added and not removed yet)."""
+        self._removed.add(seq)
+
+    def value(self) -> int | None:
+        """The least value left, None if no entry is left."""
+        while self._heap and self._heap[0][1] in self._removed:
+            self._removed.remove(heapq.heappop(self._heap)[1])
+        return self._heap[0][0] if self._heap else None
+
+
+class _Waiting:
+    """What a :class:`SendRecord` notes of the items still queued, kept as they come and
+    go: their number, lowest priority and lowest arrival number (amortized O(log n) an
+    item, where listing them on every send costs O(n))."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._priorities = _LeastOf()
+        self._seqs = _LeastOf()
+
+    def add(self, priority: int, seq: int) -> None:
+        """Item ``seq`` is queued."""
+        self.count += 1
+        self._priorities.add(priority, seq)
+        self._seqs.add(seq, seq)
+
+    def remove(self, seq: int) -> None:
+        """Item ``seq`` has left the queue."""
+        self.count -= 1
+        self._priorities.remove(seq)
+        self._seqs.remove(seq)
+
+    def record(self, priority: int, seq: int) -> SendRecord:
+        """The record of sending item ``seq`` (already removed), started now."""
+        return SendRecord(
+            priority=priority,
+            seq=seq,
+            started=time.perf_counter(),
+            num_waiting=self.count,
+            next_priority=self._priorities.value(),
+            next_seq=self._seqs.value(),
+        )
+
+
 Send = Callable[[list[Any], list[SendRecord]], Callable[[], None] | None]
 Bundle = Callable[[Any], Hashable | None]  # the peer of an item that may share a message
 
@@ -122,6 +188,7 @@ class PrioritySender:
         self.log: deque[SendRecord] = deque(maxlen=log_limit)
         self._send = send
         self._heap: list[tuple[tuple[float, int], int, Any]] = []
+        self._waiting = _Waiting()  # the items in the heap, but the stop marker
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -134,6 +201,7 @@ class PrioritySender:
             seq = next(self._seq)
             key = (0 if self.fifo else priority, seq)
             heapq.heappush(self._heap, (key, priority, item))
+            self._waiting.add(priority, seq)
             self._cond.notify()
 
     def _run(self) -> None:
@@ -186,16 +254,12 @@ class PrioritySender:
         return self._bundle(item)
 
     def _pop(self) -> tuple[Any, SendRecord]:
+        """Under the lock: the most urgent item and its record (logged unless the item is
+        the stop marker); O(log n) amortized."""
         (_, seq), priority, item = heapq.heappop(self._heap)
-        waiting = [(p, k[1]) for k, p, i in self._heap if i is not _STOP]
-        record = SendRecord(
-            priority=priority,
-            seq=seq,
-            started=time.perf_counter(),
-            num_waiting=len(waiting),
-            next_priority=min((p for p, _ in waiting), default=None),
-            next_seq=min((s for _, s in waiting), default=None),
-        )
+        if item is not _STOP:
+            self._waiting.remove(seq)
+        record = self._waiting.record(priority, seq)
         if item is not _STOP:
             self.log.append(record)
         return item, record

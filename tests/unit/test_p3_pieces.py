@@ -149,6 +149,37 @@ def test_an_early_layer_overtakes_queued_later_layers_unless_fifo(fifo: bool) ->
             assert record.next_priority is None or record.priority <= record.next_priority
 
 
+SEND_LOGS = {
+    # (priority, seq, num_waiting, next_priority, next_seq) of each send
+    False: [(5, 0, 0, None, None), (0, 4, 3, 1, 1), (1, 2, 2, 3, 1), (3, 1, 1, 3, 3),
+            (3, 3, 0, None, None)],
+    True: [(5, 0, 0, None, None), (3, 1, 3, 0, 2), (1, 2, 2, 0, 3), (3, 3, 1, 0, 4),
+           (0, 4, 0, None, None)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+def test_the_send_log_records_what_was_left_waiting(fifo: bool) -> None:
+    """The first send blocks until four more items are queued (and the stop marker, which
+    is never counted): each record holds how many were left waiting, their lowest priority
+    and their lowest arrival number, in priority or arrival order."""
+    on_wire, release = threading.Event(), threading.Event()
+
+    def send(items: list[str], records) -> None:
+        on_wire.set()
+        release.wait(5)
+
+    sender = PrioritySender(send, name="test-log", fifo=fifo)
+    sender.put("first", priority=5)
+    assert on_wire.wait(5)
+    for priority in (3, 1, 3, 0):
+        sender.put(f"p{priority}", priority=priority)
+    release.set()
+    sender.close(timeout_s=5)
+    log = [(r.priority, r.seq, r.num_waiting, r.next_priority, r.next_seq) for r in sender.log]
+    assert log == SEND_LOGS[fifo]
+
+
 BUNDLED = {
     # window (items in flight, here the room of every take): the messages after the first
     4: [
