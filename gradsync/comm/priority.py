@@ -32,7 +32,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,72 @@ class SendRecord:
     next_seq: int | None  # lowest arrival number among them
 
 
+class _LeastOf:
+    """The least value among changing ``(value, seq)`` entries (``seq`` unique): a heap
+    whose removed entries are dropped once they reach the top, so each entry costs
+    O(log n) in all.
+
+    Example:
+        >>> least = _LeastOf()
+        >>> least.add(3, seq=0); least.add(1, seq=1); least.remove(1); least.value()
+        3
+        >>> least.remove(0); least.value() is None
+        True
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int]] = []
+        self._removed: set[int] = set()  # seqs removed but still in the heap
+
+    def add(self, value: int, seq: int) -> None:
+        """Add the entry ``seq``, of ``value``."""
+        heapq.heappush(self._heap, (value, seq))
+
+    def remove(self, seq: int) -> None:
+        """Remove the entry ``seq`` (added and not removed yet)."""
+        self._removed.add(seq)
+
+    def value(self) -> int | None:
+        """The least value left, None if no entry is left."""
+        while self._heap and self._heap[0][1] in self._removed:
+            self._removed.remove(heapq.heappop(self._heap)[1])
+        return self._heap[0][0] if self._heap else None
+
+
+class _Waiting:
+    """What a :class:`SendRecord` notes of the items still queued, kept as they come and
+    go: their number, lowest priority and lowest arrival number (amortized O(log n) an
+    item, where listing them on every send costs O(n))."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._priorities = _LeastOf()
+        self._seqs = _LeastOf()
+
+    def add(self, priority: int, seq: int) -> None:
+        """Item ``seq`` is queued."""
+        self.count += 1
+        self._priorities.add(priority, seq)
+        self._seqs.add(seq, seq)
+
+    def remove(self, seq: int) -> None:
+        """Item ``seq`` has left the queue."""
+        self.count -= 1
+        self._priorities.remove(seq)
+        self._seqs.remove(seq)
+
+    def record(self, priority: int, seq: int) -> SendRecord:
+        """The record of sending item ``seq`` (already removed), started now."""
+        return SendRecord(
+            priority=priority,
+            seq=seq,
+            started=time.perf_counter(),
+            num_waiting=self.count,
+            next_priority=self._priorities.value(),
+            next_seq=self._seqs.value(),
+        )
+
+
 Send = Callable[[list[Any], list[SendRecord]], Callable[[], None] | None]
 Bundle = Callable[[Any], Hashable | None]  # the peer of an item that may share a message
 
@@ -122,6 +188,7 @@ class PrioritySender:
         self.log: deque[SendRecord] = deque(maxlen=log_limit)
         self._send = send
         self._heap: list[tuple[tuple[float, int], int, Any]] = []
+        self._waiting = _Waiting()  # the items in the heap, but the stop marker
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -134,6 +201,7 @@ class PrioritySender:
             seq = next(self._seq)
             key = (0 if self.fifo else priority, seq)
             heapq.heappush(self._heap, (key, priority, item))
+            self._waiting.add(priority, seq)
             self._cond.notify()
 
     def _run(self) -> None:
@@ -186,16 +254,12 @@ class PrioritySender:
         return self._bundle(item)
 
     def _pop(self) -> tuple[Any, SendRecord]:
+        """Under the lock: the most urgent item and its record (logged unless the item is
+        the stop marker); O(log n) amortized."""
         (_, seq), priority, item = heapq.heappop(self._heap)
-        waiting = [(p, k[1]) for k, p, i in self._heap if i is not _STOP]
-        record = SendRecord(
-            priority=priority,
-            seq=seq,
-            started=time.perf_counter(),
-            num_waiting=len(waiting),
-            next_priority=min((p for p, _ in waiting), default=None),
-            next_seq=min((s for _, s in waiting), default=None),
-        )
+        if item is not _STOP:
+            self._waiting.remove(seq)
+        record = self._waiting.record(priority, seq)
         if item is not _STOP:
             self.log.append(record)
         return item, record
@@ -274,6 +338,28 @@ def unbundle(header: Header, tensors: list[Tensor]) -> list[tuple[int, int]]:
     return list(zip(manifest[: header.count], manifest[header.count :], strict=True))
 
 
+def split_bundle(values: Tensor, lengths: Sequence[int]) -> list[Tensor]:
+    """A bundle's pieces: views of ``values`` (its pieces' values end to end), one per
+    length, in order (no copy); a ValueError if the lengths do not add up to its length.
+
+    Example:
+        >>> [t.tolist() for t in split_bundle(torch.arange(5.0), [2, 3])]
+        [[0.0, 1.0], [2.0, 3.0, 4.0]]
+        >>> split_bundle(torch.arange(5.0), [2, 2])
+        Traceback (most recent call last):
+        ...
+        ValueError: a bundle of 5 values cannot hold pieces of 2 + 2 = 4 values
+    """
+    lengths = list(lengths)
+    if sum(lengths) != values.numel():
+        shown = " + ".join(map(str, lengths)) or "0"
+        raise ValueError(
+            f"a bundle of {values.numel()} values cannot hold pieces of "
+            f"{shown} = {sum(lengths)} values"
+        )
+    return list(values.split(lengths))
+
+
 def bundle_message(
     kind: Kind, headers: list[Header], values: list[Tensor], *, worker: int = -1
 ) -> tuple[Header, list[Tensor]]:
@@ -348,11 +434,11 @@ class P3Server(ServerPolicy):
         if message.kind != Kind.PUSH:  # NO_GRADIENT: always a single slice
             self._on_slice(message.worker, header.step, header.index, header.priority, None)
             return
-        values, start = message.tensors[-1], 0
-        for index, priority in unbundle(header, message.tensors):
-            stop = start + self.states[index].values.numel()
-            self._on_slice(message.worker, header.step, index, priority, values[start:stop])
-            start = stop
+        pieces = unbundle(header, message.tensors)
+        lengths = [self.states[index].values.numel() for index, _ in pieces]
+        grads = split_bundle(message.tensors[-1], lengths)
+        for (index, priority), grad in zip(pieces, grads, strict=True):
+            self._on_slice(message.worker, header.step, index, priority, grad)
 
     def _on_slice(
         self, worker: int, step: int, index: int, priority: int, grad: Tensor | None
@@ -458,5 +544,6 @@ __all__ = [
     "read_manifest",
     "send_window",
     "slice_reader",
+    "split_bundle",
     "unbundle",
 ]

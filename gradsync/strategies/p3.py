@@ -72,6 +72,7 @@ from gradsync.comm.priority import (
     read_manifest,
     send_window,
     slice_reader,
+    split_bundle,
     unbundle,
 )
 from gradsync.comm.ready import ReadyOnce
@@ -422,10 +423,10 @@ class PriorityPropagation(ServerStrategy):
         return self.params[s.name].data.view(-1)[s.start : s.stop]
 
     def _write_slices(self, pieces: list[Piece], values: Tensor) -> None:
-        start = 0
-        for s in pieces:
-            self._target(s).copy_(values[start : start + s.numel])
-            start += s.numel
+        """Copy a bundle's values (``pieces``' end to end) into their parameters."""
+        lengths = [s.numel for s in pieces]
+        for s, piece_values in zip(pieces, split_bundle(values, lengths), strict=True):
+            self._target(s).copy_(piece_values)
 
     def _on_local_reply(self, message: Message) -> None:
         """A reply of this process's server (on its reply thread): as if received."""

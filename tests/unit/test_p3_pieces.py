@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradsync.comm.layer_order import LayerOrder
+from gradsync.comm.pieces import Piece
 from gradsync.comm.priority import P3Server, PrioritySender, bundle_message, unbundle
 from gradsync.comm.server import ServerMetrics, ShardState
 from gradsync.comm.slicing import server_sizes, slice_bounds, slice_variables
@@ -21,6 +22,7 @@ from gradsync.config import OptimConfig
 from gradsync.errors import UserError
 from gradsync.models import build_workload
 from gradsync.optim import Updater
+from gradsync.strategies.p3 import PriorityPropagation
 
 shapes = st.lists(
     st.lists(st.integers(1, 30), min_size=1, max_size=2).map(tuple), min_size=1, max_size=10
@@ -147,6 +149,37 @@ def test_an_early_layer_overtakes_queued_later_layers_unless_fifo(fifo: bool) ->
             assert record.next_priority is None or record.priority <= record.next_priority
 
 
+SEND_LOGS = {
+    # (priority, seq, num_waiting, next_priority, next_seq) of each send
+    False: [(5, 0, 0, None, None), (0, 4, 3, 1, 1), (1, 2, 2, 3, 1), (3, 1, 1, 3, 3),
+            (3, 3, 0, None, None)],
+    True: [(5, 0, 0, None, None), (3, 1, 3, 0, 2), (1, 2, 2, 0, 3), (3, 3, 1, 0, 4),
+           (0, 4, 0, None, None)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+def test_the_send_log_records_what_was_left_waiting(fifo: bool) -> None:
+    """The first send blocks until four more items are queued (and the stop marker, which
+    is never counted): each record holds how many were left waiting, their lowest priority
+    and their lowest arrival number, in priority or arrival order."""
+    on_wire, release = threading.Event(), threading.Event()
+
+    def send(items: list[str], records) -> None:
+        on_wire.set()
+        release.wait(5)
+
+    sender = PrioritySender(send, name="test-log", fifo=fifo)
+    sender.put("first", priority=5)
+    assert on_wire.wait(5)
+    for priority in (3, 1, 3, 0):
+        sender.put(f"p{priority}", priority=priority)
+    release.set()
+    sender.close(timeout_s=5)
+    log = [(r.priority, r.seq, r.num_waiting, r.next_priority, r.next_seq) for r in sender.log]
+    assert log == SEND_LOGS[fifo]
+
+
 BUNDLED = {
     # window (items in flight, here the room of every take): the messages after the first
     4: [
@@ -242,3 +275,16 @@ def test_a_server_applies_bundled_slices_like_single_ones_and_bundles_its_answer
     for _, bundled, (manifest, values) in outbox.posts[1:]:
         assert unbundle(bundled, [manifest]) == [(2, 0), (1, 1), (0, 2)]  # priority order
         assert torch.equal(values, torch.cat([states[i].values for i in (2, 1, 0)]))
+
+
+def test_a_worker_writes_a_bundled_reply_into_its_parameters() -> None:
+    """A bundle's values, its slices end to end, land in each slice's place; the lengths
+    must add up."""
+    strategy = PriorityPropagation.__new__(PriorityPropagation)  # only its parameters
+    strategy.params = {"w": nn.Parameter(torch.zeros(2, 3)), "b": nn.Parameter(torch.zeros(4))}
+    pieces = [Piece("b", 1, 4), Piece("w", 0, 2), Piece("w", 4, 6)]
+    strategy._write_slices(pieces, torch.arange(1.0, 8.0))
+    assert strategy.params["b"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert strategy.params["w"].tolist() == [[4.0, 5.0, 0.0], [0.0, 6.0, 7.0]]
+    with pytest.raises(ValueError, match="a bundle of 6 values cannot hold"):
+        strategy._write_slices(pieces, torch.ones(6))
