@@ -520,6 +520,13 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
         default=1.0,
         help="seconds of timed iterations per size at most (fewer iterations on slow links)",
     )
+    bench.add_argument(
+        "--busy-ms",
+        default="0",
+        help="comma-separated: compute this long on every rank before each timed operation "
+        "(not counted), as training ranks do between blocking collectives; every operation "
+        "and size is measured at each (default 0: idle ranks)",
+    )
     bench.add_argument("--threads", type=_positive_int, help="intra-op threads per rank")
     bench.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
@@ -527,6 +534,14 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--master-port", type=int)
     bench.add_argument("--out", help="results folder")
     _add_netem_options(bench)
+
+
+def _milliseconds_list(text: str, flag: str) -> tuple[float, ...]:
+    """``0,1,2.5`` → (0.0, 1.0, 2.5); anything else is a one-line UserError."""
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a comma-separated list of milliseconds") from None
 
 
 def cmd_commbench(args: argparse.Namespace) -> int:
@@ -543,6 +558,7 @@ def cmd_commbench(args: argparse.Namespace) -> int:
         warmup_iters=args.warmup,
         iters=args.iters,
         time_budget_s=args.time_budget,
+        busy_ms=_milliseconds_list(args.busy_ms, "--busy-ms"),
         out=args.out or _timestamped("commbench"),
         launch=LaunchConfig(
             master_port=args.master_port,

@@ -126,6 +126,11 @@ class CommbenchConfig:
     warmup_iters: int = 5
     iters: int = 20
     time_budget_s: float = 1.0
+    # Each value: compute this long (matrix products on the rank's own thread) before every
+    # timed operation, not counted in its time. Ranks that train between blocking
+    # collectives (BatchNorm's syncs) wait for each other and, on shared cores, for a core;
+    # 0: idle ranks. Every operation and size is measured at every value.
+    busy_ms: tuple[float, ...] = (0.0,)
     out: str = "runs/commbench"
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -150,6 +155,10 @@ class CommbenchConfig:
             )
         if not self.time_budget_s > 0:
             raise UserError(f"--time-budget must be > 0 seconds, got {self.time_budget_s}")
+        if not self.busy_ms or not all(0 <= b < 1000 for b in self.busy_ms):
+            raise UserError(
+                f"--busy-ms needs values ≥ 0 and < 1000 milliseconds, got {list(self.busy_ms)}"
+            )
         if self.launch.num_nodes != 1:
             raise UserError("commbench runs on one machine; drop --nnodes")
 
@@ -160,8 +169,9 @@ class CommbenchConfig:
     def from_json(cls, text: str) -> CommbenchConfig:
         raw = json.loads(text)
         return cls(
-            **{k: v for k, v in raw.items() if k not in ("ops", "sizes", "launch")},
+            **{k: v for k, v in raw.items() if k not in ("ops", "sizes", "launch", "busy_ms")},
             ops=tuple(raw["ops"]),
+            busy_ms=tuple(raw.get("busy_ms", (0.0,))),
             sizes=tuple(raw["sizes"]),
             launch=LaunchConfig(**raw["launch"]),
         )
@@ -195,16 +205,12 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
             },
         )
         results = []
-        for op in config.ops:
-            for size in config.sizes:
-                results.append(_measure(op, size, config, env))
-                if env.rank == 0:
-                    row = results[-1]
-                    print(
-                        f"[commbench] {op:>9} {row['bytes']:>11} B  {row['time_s'] * 1e6:>12.1f} us"
-                        f"  busbw {row['busbw_Bps'] / 1e9:8.3f} GB/s",
-                        flush=True,
-                    )
+        for busy_ms in config.busy_ms:
+            for op in config.ops:
+                for size in config.sizes:
+                    results.append(_measure(op, size, busy_ms / 1e3, config, env))
+                    if env.rank == 0:
+                        _print_row(results[-1])
         if env.rank == 0:
             payload = {
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -263,6 +269,26 @@ def _operation(op: str, size: int, rank: int, world_size: int) -> tuple[Callable
     return lambda: None, moved
 
 
+def _timed_between_compute(
+    run: Callable[[], None], iters: int, busy_s: float
+) -> tuple[float, float]:
+    """Wall and CPU seconds of ``iters`` calls of ``run``, each after ``busy_s`` of matrix
+    products that are not counted (the CPU clock counts every thread of the process)."""
+    import torch
+
+    block = torch.ones(64, 64)
+    wall = cpu = 0.0
+    for _ in range(iters):
+        busy_until = time.perf_counter() + busy_s
+        while time.perf_counter() < busy_until:
+            torch.mm(block, block)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        run()
+        wall += time.perf_counter() - start
+        cpu += time.process_time() - cpu_start
+    return wall, cpu
+
+
 def _over_ranks(seconds: float, reduce: Literal["max", "mean"]) -> float:
     """``seconds`` of every rank reduced to one number each rank gets: the slowest rank's
     (``"max"``) or their average (``"mean"``). A collective: every rank calls it."""
@@ -277,7 +303,18 @@ def _over_ranks(seconds: float, reduce: Literal["max", "mean"]) -> float:
     return float(value.item()) / dist.get_world_size()
 
 
-def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[str, Any]:
+def _print_row(row: dict[str, Any]) -> None:
+    busy = f"  busy {row['busy_s'] * 1e3:g} ms" if row["busy_s"] else ""
+    print(
+        f"[commbench] {row['op']:>9} {row['bytes']:>11} B  {row['time_s'] * 1e6:>12.1f} us"
+        f"  busbw {row['busbw_Bps'] / 1e9:8.3f} GB/s{busy}",
+        flush=True,
+    )
+
+
+def _measure(
+    op: str, size: int, busy_s: float, config: CommbenchConfig, env: RankEnv
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     run, moved = _operation(op, size, env.rank, env.world_size)
@@ -292,10 +329,13 @@ def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[
     for _ in range(warmup - 1):
         run()
     dist.barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(iters):
-        run()
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if busy_s > 0:
+        wall, cpu = _timed_between_compute(run, iters, busy_s)
+    else:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for _ in range(iters):
+            run()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     seconds = _over_ranks(wall, "max") / iters  # the clocks are read before these collectives
     cpu_s = _over_ranks(cpu / iters, "mean")
     factor = busbw_factor(op, env.world_size)
@@ -311,6 +351,7 @@ def _measure(op: str, size: int, config: CommbenchConfig, env: RankEnv) -> dict[
         "busbw_factor": factor,
         "busbw_Bps": algbw * factor,
         "cpu_s": cpu_s,
+        "busy_s": busy_s,
     }
 
 
@@ -346,7 +387,7 @@ def report(payload: dict[str, Any], out: Path) -> None:
     ]
     rows = [
         [
-            r["op"],
+            _series(r),
             _size(r["bytes"]),
             str(r["count"]),
             str(r["iters"]),
@@ -387,13 +428,13 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     from gradsync.netem import parse_rate
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    for op in dict.fromkeys(r["op"] for r in payload["results"]):
-        rows = [r for r in payload["results"] if r["op"] == op]
+    for label in dict.fromkeys(_series(r) for r in payload["results"]):
+        rows = [r for r in payload["results"] if _series(r) == label]
         axes.plot(
             [r["bytes"] for r in rows],
             [r["busbw_Bps"] * 8 / 1e9 for r in rows],
             marker="o",
-            label=op,
+            label=label,
         )
     if payload.get("bandwidth"):
         link = parse_rate(payload["bandwidth"]) / 1e9
@@ -407,6 +448,12 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def _series(row: dict[str, Any]) -> str:
+    """A result row's operation, with the compute between calls if there was any."""
+    busy = row.get("busy_s", 0.0)
+    return f"{row['op']} (busy {busy * 1e3:g} ms)" if busy else row["op"]
 
 
 def _size(num_bytes: int) -> str:

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -80,7 +81,12 @@ class Network:
     (a push, a pull) take when they cross a link in opposite directions at once than one
     alone: 1 on a full-duplex network (the default), up to 2 where the directions take
     turns; measured by commbench's ``exchange`` against ``p2p`` (:func:`calibrate`). Ring
-    collectives keep the rate their own calibration measured."""
+    collectives keep the rate their own calibration measured.
+    ``sync_message_s``: (compute between calls, per-message cost) pairs of a small
+    blocking collective between ranks that compute between calls, measured by commbench
+    ``--busy-ms`` (:func:`calibrate_sync`). On hosts that share cores it prices BatchNorm's
+    syncs: each waits for the slower rank and, with every core computing, for a core to run
+    the transport's threads. Empty: ``hop_s``, as between idle ranks."""
 
     bandwidth: float
     latency: float = 0.0
@@ -90,6 +96,7 @@ class Network:
     cpu_s_per_byte: float = 0.0
     cpu_s_per_message: float = 0.0
     bidirectional_slowdown: float = 1.0
+    sync_message_s: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
@@ -113,6 +120,26 @@ class Network:
     def hop_s(self) -> float:
         """Fixed cost of one message: latency plus software overhead."""
         return self.latency + self.message_s
+
+    def sync_hop_s(self, compute_between_s: float) -> float:
+        """Fixed cost of one message of a blocking collective between ranks that compute
+        ``compute_between_s`` between calls: :attr:`sync_message_s` interpolated (held at
+        its ends), or :attr:`hop_s` where it was not measured.
+
+        Example:
+            >>> net = Network(bandwidth=1e9, sync_message_s=((1e-3, 4e-4), (3e-3, 8e-4)))
+            >>> round(net.sync_hop_s(2e-3) * 1e6), round(net.sync_hop_s(9.0) * 1e6)
+            (600, 800)
+        """
+        points = sorted(self.sync_message_s)
+        if not points:
+            return self.hop_s
+        if compute_between_s <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(points):
+            if compute_between_s <= x1:
+                return y0 + (y1 - y0) * (compute_between_s - x0) / (x1 - x0)
+        return points[-1][1]
 
 
 def check_shared_cores(value: object, where: str) -> None:
@@ -223,7 +250,7 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     path = Path(commbench_path)
     try:
         payload: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in payload["results"] if r["op"] == "allreduce"]
+        rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce"]
         n = int(payload["world_size"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(
@@ -243,9 +270,49 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     network = replace(network, latency=0.0, message_s=hop, efficiency=efficiency)
     if all("cpu_s" in r for r in rows):
         network = calibrate_cpu(network, path)
-    ops = {r.get("op") for r in payload["results"]}
+    if any(r.get("busy_s") for r in payload["results"]):
+        network = calibrate_sync(network, path)
+    ops = {r.get("op") for r in _idle_rows(payload)}
     pair = int(payload.get("world_size", 0)) == 2  # exchange over p2p means one pair's links
     return calibrate_duplex(network, path) if pair and {"p2p", "exchange"} <= ops else network
+
+
+def _idle_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The results measured between idle ranks (no ``--busy-ms`` compute between calls)."""
+    return [r for r in payload["results"] if not r.get("busy_s")]
+
+
+def calibrate_sync(network: Network, commbench_path: str | Path) -> Network:
+    """``network`` with :attr:`Network.sync_message_s` measured by ``gradsync commbench
+    --ops allreduce --busy-ms 0.5,1,2,4``: at each compute-between-calls value, the
+    per-message cost of the smallest allreduce (its time less the bytes' share, over the
+    ring's 2(n−1) messages).
+
+    Example:
+        >>> # calibrate_sync(Network(bandwidth=125e6), "sync/commbench.json").sync_message_s
+    """
+    path = Path(commbench_path)
+    try:
+        payload: dict[str, Any] = json.loads(path.read_text())
+        rows = [r for r in payload["results"] if r["op"] == "allreduce" and r.get("busy_s")]
+        n = int(payload["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{path}: not a commbench.json ({error})") from None
+    if not rows or n < 2:
+        raise UserError(
+            f"{path}: needs allreduce times between busy ranks on 2+ ranks; measure them with "
+            "`gradsync commbench --ops allreduce --sizes 4K --busy-ms 0.5,1,2,4`"
+        )
+    smallest: dict[float, dict[str, Any]] = {}
+    for row in rows:
+        if row["busy_s"] not in smallest or row["bytes"] < smallest[row["busy_s"]]["bytes"]:
+            smallest[row["busy_s"]] = row
+    share = 2 * (n - 1) / n / network.rate
+    pairs = tuple(
+        (busy, max(0.0, row["time_s"] - share * row["bytes"]) / (2 * (n - 1)))
+        for busy, row in sorted(smallest.items())
+    )
+    return replace(network, sync_message_s=pairs)
 
 
 def calibrate_cpu(network: Network, commbench_path: str | Path) -> Network:
@@ -265,7 +332,7 @@ def calibrate_cpu(network: Network, commbench_path: str | Path) -> Network:
     path = Path(commbench_path)
     try:
         payload: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in payload["results"] if r["op"] == "allreduce" and "cpu_s" in r]
+        rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce" and "cpu_s" in r]
         n = int(payload["world_size"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"{path}: not a commbench.json ({error})") from None
@@ -293,7 +360,7 @@ def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
     path = Path(commbench_path)
     try:
         payload: dict[str, Any] = json.loads(path.read_text())
-        times = {(r["op"], r["bytes"]): r["time_s"] for r in payload["results"]}
+        times = {(r["op"], r["bytes"]): r["time_s"] for r in _idle_rows(payload)}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"{path}: not a commbench.json ({error})") from None
     both = {b for op, b in times if op == "exchange"}

@@ -247,18 +247,33 @@ def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
     channel, in float64: an all_gather) and sums two per-channel gradient terms in the
     model's dtype in backward (an allreduce, :mod:`gradsync.comm.batchnorm`). Both block
     the layer, so forward and backward grow by their ring times; layer starts and
-    gradient-ready times stretch in proportion. One worker, or a model without BatchNorm,
-    is unchanged.
+    gradient-ready times stretch in proportion. On hosts that share cores, with
+    :attr:`Network.sync_message_s` measured, each message costs what it costs between
+    ranks that compute between syncs (the profile's compute over its 2 syncs per layer).
+    One worker, or a model without BatchNorm, is unchanged.
 
     Example:
         >>> # with_batchnorm_sync(resnet_profile, Cluster(workers=4, network=...)).forward_s
     """
     if cluster.workers < 2 or not profile.batchnorm_channels:
         return profile
+    channels = profile.batchnorm_channels
+    syncing = _syncing_cluster(cluster, profile.compute_s / (2 * len(channels)))
     element = profile.variables[0].element_size
-    gather = sum(cluster.ring_allgather_s(3 * c * 8) for c in profile.batchnorm_channels)
-    reduce = sum(cluster.ring_allreduce_s(2 * c * element) for c in profile.batchnorm_channels)
+    gather = sum(syncing.ring_allgather_s(3 * c * 8) for c in channels)
+    reduce = sum(syncing.ring_allreduce_s(2 * c * element) for c in channels)
     return _lengthen_backward(_lengthen_forward(profile, gather), reduce)
+
+
+def _syncing_cluster(cluster: Cluster, compute_between_s: float) -> Cluster:
+    """``cluster`` as its blocking collectives see it when the ranks compute
+    ``compute_between_s`` between them: on shared cores, each message costs the measured
+    :meth:`Network.sync_hop_s`; on a real cluster, the idle ranks' hop."""
+    network = cluster.network
+    if cluster.shared_cores is None or not network.sync_message_s:
+        return cluster
+    hop = network.sync_hop_s(compute_between_s)
+    return replace(cluster, network=replace(network, latency=0.0, message_s=hop))
 
 
 # -- bucketed allreduce: allreduce and ddp ---------------------------------------------------

@@ -49,6 +49,7 @@ from gradsync.predict.network import (
     calibrate,
     calibrate_cpu,
     calibrate_duplex,
+    calibrate_sync,
     check_shared_cores,
     parse_bandwidth,
 )
@@ -75,6 +76,11 @@ MODEL_KEYS = {"name", "preset", "options", "bandwidths"}
 # a large layer.
 CALIBRATION_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 SUPPLEMENT = Path("supplement") / "commbench.json"
+# Small blocking collectives between ranks that compute between them (BatchNorm's syncs):
+# their cost at several compute intervals, where the models' intervals lie (resnet56's
+# is about 1.5 ms on a 2-core Xeon).
+SYNC = Path("sync") / "commbench.json"
+SYNC_BUSY_MS = (0.5, 1.0, 2.0, 4.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,6 +275,8 @@ def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Non
 
     path = _calibration(plan, bandwidth, out)
     assert path is not None
+    if not (path.parent / SYNC).is_file():
+        _measure_sync(plan, bandwidth, path.parent / SYNC)
     if path.is_file():
         return
     config = CommbenchConfig(
@@ -288,6 +296,27 @@ def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Non
     print(f"calibration at {bandwidth}: {path}", flush=True)
 
 
+def _measure_sync(plan: ValidationPlan, bandwidth: str, path: Path) -> None:
+    """A 4 KB allreduce between the cells' ranks on their emulated hosts, each rank
+    computing :data:`SYNC_BUSY_MS` between calls (:func:`calibrate_sync`)."""
+    from gradsync.commbench import CommbenchConfig, run_commbench
+    from gradsync.config import LaunchConfig
+
+    config = CommbenchConfig(
+        workers=plan.workers,
+        ops=("allreduce",),
+        sizes=(4 << 10,),
+        busy_ms=SYNC_BUSY_MS,
+        warmup_iters=3,
+        iters=100,
+        time_budget_s=2.0,
+        out=str(path.parent),
+        launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
+    )
+    run_commbench(config, quiet=True)
+    print(f"blocking collectives between busy ranks at {bandwidth}: {path}", flush=True)
+
+
 def cluster_for(
     plan: ValidationPlan,
     choice: StrategyChoice,
@@ -299,8 +328,9 @@ def cluster_for(
     ``calibration`` (a commbench.json) when given: the ring's time, and the CPU cost of
     communication and the bidirectional slowdown of point-to-point transfers from it or
     from ``supplement/commbench.json`` beside it (measured for a calibration taken before
-    commbench recorded them); the plan's ``shared_cores`` says how many cores the hosts
-    share."""
+    commbench recorded them), and blocking collectives between busy ranks from
+    ``sync/commbench.json`` where it was measured; the plan's ``shared_cores`` says how many
+    cores the hosts share."""
     from gradsync.config import TrainConfig
     from gradsync.netem import place_ranks
     from gradsync.strategies import strategy_class
@@ -311,6 +341,8 @@ def cluster_for(
         extra = calibration.parent / SUPPLEMENT  # measured after the cells, if at all
         if extra.is_file():
             network = calibrate_duplex(calibrate_cpu(network, extra), extra)
+        if (calibration.parent / SYNC).is_file():
+            network = calibrate_sync(network, calibration.parent / SYNC)
     config = TrainConfig(
         workers=plan.workers, strategy=choice.name, strategy_options=choice.options
     )
