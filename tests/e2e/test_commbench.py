@@ -61,12 +61,27 @@ def test_exchange_on_an_odd_number_of_ranks_leaves_the_odd_one_out(workdir: Path
     assert [r["op"] for r in rows] == ["exchange", "p2p"]
 
 
+def test_busy_ranks_compute_between_calls_and_every_interval_gets_its_rows(
+    workdir: Path,
+) -> None:
+    result = _gradsync(
+        workdir, "commbench --ops allreduce --sizes 4K --busy-ms 0,2 --warmup 1 --iters 5 --out b"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((workdir / "b" / "commbench.json").read_text())["results"]
+    assert [(r["op"], r["busy_s"]) for r in rows] == [("allreduce", 0.0), ("allreduce", 0.002)]
+    assert all(r["time_s"] > 0 for r in rows)
+    assert "| allreduce (busy 2 ms) | 4 KB |" in (workdir / "b" / "commbench.md").read_text()
+
+
 def test_commbench_refuses_bad_input_in_one_line(workdir: Path) -> None:
     for argv in (
         "commbench --ops alltoall",
         "commbench --workers 1",
         "commbench --sizes lots",
         "commbench --bandwidth 1gbit",
+        "commbench --busy-ms lots",
+        "commbench --busy-ms=-1",
     ):
         result = gradsync(*argv.split(), cwd=workdir)
         assert result.returncode == 2, argv

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from gradsync.errors import UserError
-from gradsync.predict.network import Cluster, Network, calibrate, calibrate_cpu, calibrate_duplex
+from gradsync.predict.network import (
+    Cluster,
+    Network,
+    calibrate,
+    calibrate_cpu,
+    calibrate_duplex,
+    calibrate_sync,
+)
 from gradsync.predict.simulate import Span, StrategyChoice, predict_step, shared_core_stretch
 from gradsync.strategies.p3 import P3Options
 from gradsync.strategies.ps import PSOptions
@@ -181,3 +188,67 @@ def test_p3_slices_cost_cpu_per_message_where_they_cross_processes(
     shared = predict_step(profile, Cluster(workers=1, network=net, shared_cores=1), choice)
     assert plain.step_s == pytest.approx(11.0)
     assert shared.step_s == pytest.approx(11.0 + stretch)
+
+
+def test_sync_calibration_is_the_small_allreduce_per_message_at_each_busy_interval(
+    tmp_path,
+) -> None:
+    # A 2-rank ring of S bytes: 2(n−1)/n·S/rate on the wire, 2(n−1) messages. Busy rows
+    # give (interval, per-message cost); idle rows still set α, unchanged by them.
+    rate, n, size = 125e6, 2, 4096
+    wire = 2 * (n - 1) / n * size / rate
+    rows: list[dict[str, float | str]] = [
+        {"op": "allreduce", "bytes": size, "time_s": 2 * 0.4e-3 + wire},
+        {"op": "allreduce", "bytes": 1 << 24, "time_s": 2 * 0.4e-3 + (1 << 24) / rate},
+        {"op": "allreduce", "bytes": 1 << 20, "time_s": 2 * 0.4e-3 + (1 << 20) / rate},
+    ]
+    busy = {0.5e-3: 1.0e-3, 2e-3: 3.0e-3}
+    for interval, per_message in busy.items():
+        rows.append(
+            {"op": "allreduce", "bytes": size, "busy_s": interval, "time_s": 2 * per_message + wire}
+        )
+        rows.append(  # a larger size at the same interval: the smallest decides
+            {"op": "allreduce", "bytes": 1 << 20, "busy_s": interval, "time_s": 1.0}
+        )
+    path = _commbench(tmp_path / "commbench.json", rows, n)
+    synced = calibrate_sync(Network(bandwidth=rate), path)
+    flat = [value for pair in synced.sync_message_s for value in pair]
+    assert flat == pytest.approx([0.5e-3, 1.0e-3, 2e-3, 3.0e-3])
+    fitted = calibrate(Network(bandwidth=rate), path)
+    assert fitted.message_s == pytest.approx(0.4e-3)  # from the idle rows alone
+    assert fitted.sync_message_s == synced.sync_message_s
+    # Interpolated between the measured intervals, held beyond them.
+    assert fitted.sync_hop_s(1.25e-3) == pytest.approx(2.0e-3)
+    assert fitted.sync_hop_s(1e-6) == pytest.approx(1.0e-3)
+    assert fitted.sync_hop_s(1.0) == pytest.approx(3.0e-3)
+    assert Network(bandwidth=rate, latency=1e-4, message_s=2e-4).sync_hop_s(1e-3) == (
+        pytest.approx(3e-4)
+    )
+    idle_only = _commbench(tmp_path / "idle.json", rows[:3], n)
+    with pytest.raises(UserError, match="--busy-ms"):
+        calibrate_sync(Network(bandwidth=rate), idle_only)
+
+
+def test_batchnorm_syncs_cost_the_busy_ranks_hop_on_shared_cores_only() -> None:
+    import dataclasses
+
+    from gradsync.predict.simulate import with_batchnorm_sync
+
+    # 2 layers × 2 syncs over 4 s of compute: 1 s of compute between syncs, where the
+    # measured per-message cost is 5 ms (20 ms at 3 s). Idle ranks' hop: 1 ms.
+    rate, channels = 1e9, (10, 20)
+    base = profile_of([variable("w", 1000, 2.0)], forward=1.0, backward=3.0)
+    profile = dataclasses.replace(base, batchnorm_channels=channels)
+    net = Network(bandwidth=rate, message_s=1e-3, sync_message_s=((1.0, 5e-3), (3.0, 20e-3)))
+
+    def added(cluster: Cluster) -> float:
+        synced = with_batchnorm_sync(profile, cluster)
+        return synced.compute_s - profile.compute_s
+
+    def syncs(hop: float) -> float:  # 2 ranks: all_gather 1 hop, allreduce 2 hops a layer
+        return sum(3 * c * 8 / rate + hop + 2 * c * 4 / rate + 2 * hop for c in channels)
+
+    assert added(Cluster(workers=2, network=net, shared_cores=2)) == pytest.approx(syncs(5e-3))
+    assert added(Cluster(workers=2, network=net)) == pytest.approx(syncs(1e-3))  # real hosts
+    idle = dataclasses.replace(net, sync_message_s=())
+    assert added(Cluster(workers=2, network=idle, shared_cores=2)) == pytest.approx(syncs(1e-3))

@@ -1,0 +1,20 @@
+"""commbench's configuration: what a job file carries, and bad values refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync.commbench import CommbenchConfig
+from gradsync.errors import UserError
+
+
+def test_busy_intervals_survive_the_job_file() -> None:
+    config = CommbenchConfig(workers=2, ops=("allreduce",), sizes=(4096,), busy_ms=(0.0, 1.5))
+    assert CommbenchConfig.from_json(config.to_json()) == config
+    assert CommbenchConfig(workers=2).busy_ms == (0.0,)  # idle ranks unless asked
+
+
+@pytest.mark.parametrize("busy_ms", [(), (-1.0,), (0.0, 1000.0)])
+def test_busy_intervals_must_be_milliseconds_below_a_second(busy_ms: tuple[float, ...]) -> None:
+    with pytest.raises(UserError, match="--busy-ms"):
+        CommbenchConfig(workers=2, busy_ms=busy_ms)
