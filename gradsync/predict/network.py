@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,11 @@ class Network:
     (a push, a pull) take when they cross a link in opposite directions at once than one
     alone: 1 on a full-duplex network (the default), up to 2 where the directions take
     turns; measured by commbench's ``exchange`` against ``p2p`` (:func:`calibrate`). Ring
-    collectives keep the rate their own calibration measured.
+    collectives keep the rate their own calibration measured. ``duplex_curve``: the same
+    ratio at every size commbench measured, as (one-way seconds, slowdown) pairs: on
+    Gloo over a shaped link short transfers cross both ways at full rate and long ones
+    take turns, so each transfer takes the slowdown of its own duration
+    (:meth:`duplex_slowdown`).
     ``sync_message_s``: (compute between calls, per-message cost) pairs of a small
     blocking collective between ranks that compute between calls, measured by commbench
     ``--busy-ms`` (:func:`calibrate_sync`). On hosts that share cores it prices BatchNorm's
@@ -97,6 +102,7 @@ class Network:
     cpu_s_per_message: float = 0.0
     bidirectional_slowdown: float = 1.0
     sync_message_s: tuple[tuple[float, float], ...] = ()
+    duplex_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
@@ -131,15 +137,41 @@ class Network:
             >>> round(net.sync_hop_s(2e-3) * 1e6), round(net.sync_hop_s(9.0) * 1e6)
             (600, 800)
         """
-        points = sorted(self.sync_message_s)
-        if not points:
+        if not self.sync_message_s:
             return self.hop_s
-        if compute_between_s <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in itertools.pairwise(points):
-            if compute_between_s <= x1:
-                return y0 + (y1 - y0) * (compute_between_s - x0) / (x1 - x0)
-        return points[-1][1]
+        return _interpolate(self.sync_message_s, compute_between_s)
+
+    def duplex_slowdown(self, seconds: float) -> float:
+        """How many times longer a point-to-point transfer of ``seconds`` one way takes
+        while one crosses the same link the other way: :attr:`duplex_curve` interpolated
+        in log time (held at its ends), or :attr:`bidirectional_slowdown` where only that
+        was measured.
+
+        Example:
+            >>> net = Network(bandwidth=1e9, duplex_curve=((0.01, 1.0), (0.1, 2.0)))
+            >>> net.duplex_slowdown(0.001), round(net.duplex_slowdown(0.0316), 2)
+            (1.0, 1.5)
+        """
+        if not self.duplex_curve:
+            return self.bidirectional_slowdown
+        points = tuple((math.log(max(t, 1e-12)), d) for t, d in self.duplex_curve)
+        return _interpolate(points, math.log(max(seconds, 1e-12)))
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The piecewise-linear function through ``points`` (x, y) at ``x``, held at its ends.
+
+    Example:
+        >>> _interpolate(((0.0, 1.0), (2.0, 3.0)), 1.0), _interpolate(((0.0, 1.0),), 5.0)
+        (2.0, 1.0)
+    """
+    ordered = sorted(points)
+    if x <= ordered[0][0]:
+        return ordered[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(ordered):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ordered[-1][1]
 
 
 def check_shared_cores(value: object, where: str) -> None:
@@ -350,9 +382,11 @@ def calibrate_cpu(network: Network, commbench_path: str | Path) -> Network:
 
 
 def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
-    """``network`` with ``bidirectional_slowdown`` measured by ``gradsync commbench --ops
+    """``network`` with the bidirectional slowdown measured by ``gradsync commbench --ops
     p2p,exchange`` on 2 ranks on 2 hosts: the time of an exchange (both ranks send S to each
-    other at once) over a one-way p2p of S, at the largest size both ran (clamped to 1..2).
+    other at once) over a one-way p2p of S (clamped to 1..2), at every size both ran
+    (``duplex_curve``, keyed by the p2p time) and at the largest
+    (``bidirectional_slowdown``).
 
     Example:
         >>> # calibrate_duplex(Network(bandwidth=125e6), "commbench.json").bidirectional_slowdown
@@ -372,13 +406,17 @@ def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
             f"{path}: the bidirectional slowdown is measured by 2 ranks on 2 hosts; this run "
             f"had {payload.get('world_size')} ranks (rerun commbench with --workers 2)"
         )
-    one_way, both_ways = times[("p2p", sizes[-1])], times[("exchange", sizes[-1])]
-    if not (
-        isinstance(one_way, (int, float)) and one_way > 0 and isinstance(both_ways, (int, float))
-    ):
-        raise UserError(f"{path}: p2p and exchange times must be positive numbers")
-    ratio = both_ways / one_way
-    return replace(network, bidirectional_slowdown=min(2.0, max(1.0, ratio)))
+    curve = []
+    for size in sizes:
+        one_way, both_ways = times[("p2p", size)], times[("exchange", size)]
+        if not (
+            isinstance(one_way, (int, float))
+            and one_way > 0
+            and isinstance(both_ways, (int, float))
+        ):
+            raise UserError(f"{path}: p2p and exchange times must be positive numbers")
+        curve.append((float(one_way), min(2.0, max(1.0, both_ways / one_way))))
+    return replace(network, bidirectional_slowdown=curve[-1][1], duplex_curve=tuple(curve))
 
 
 def _two_regime_line(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -27,8 +27,9 @@ functions, so a knob means the same thing here as in ``gradsync train``:
   steady state).
 
 Links are full duplex unless the network says otherwise: where pushes and pulls crossing
-a link both ways at once were measured slower (``Network.bidirectional_slowdown``, emulated
-hosts), ``ps`` and ``p3`` transfers also hold the opposite direction for part of their time.
+a link both ways at once were measured slower (``Network.duplex_slowdown``, emulated hosts:
+short transfers barely, long ones up to 2×), ``ps`` and ``p3`` transfers also hold the
+opposite direction for part of their time.
 Where the hosts share cores (``Cluster.shared_cores``) the CPU time of communication and of
 the servers that overlaps compute lengthens it (:func:`shared_core_stretch`).
 
@@ -594,9 +595,9 @@ class _Pipe:
         when it has crossed.
 
         Where the network is not fully duplex (``slowdown``: the measured
-        ``Network.bidirectional_slowdown`` d > 1), the transfer also holds the ``opposite``
-        direction of the same link for (d − 1)·``seconds`` from ``ready``: two equal
-        transfers the opposite ways then take d·t together, one alone t.
+        ``Network.duplex_slowdown`` d > 1 of a transfer this long), the transfer also holds
+        the ``opposite`` direction of the same link for (d − 1)·``seconds`` from ``ready``:
+        two equal transfers the opposite ways then take d·t together, one alone t.
         """
         crossed = self.hold(ready, seconds)
         if slowdown > 1.0:
@@ -620,7 +621,7 @@ class _HostLinks:
         hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
         self.outbound = {h: _Pipe() for h in hosts}
         self.inbound = {h: _Pipe() for h in hosts}
-        self.slowdown = cluster.network.bidirectional_slowdown
+        self.network = cluster.network
 
     def push(self, ready: float, server: int, num_bytes: float) -> float:
         return self._move(ready, server, num_bytes, self.outbound, self.inbound)
@@ -659,7 +660,8 @@ class _HostLinks:
     ) -> float:
         """``num_bytes`` over ``host``'s link in ``direction``; return when they are across."""
         seconds = num_bytes / self.rate
-        return direction[host].transfer(ready, seconds, opposite[host], self.slowdown)
+        slowdown = self.network.duplex_slowdown(seconds)
+        return direction[host].transfer(ready, seconds, opposite[host], slowdown)
 
 
 def _simulate_async_ps(
@@ -906,7 +908,7 @@ def _p3_transfers(
     server_out = [_Pipe() for _ in range(cluster.servers)]
     server_cpu = [_Pipe() for _ in range(cluster.servers)]
     per_byte_apply = profile.aggregate_s_per_byte * workers + profile.apply_s_per_byte
-    slowdown = net.bidirectional_slowdown
+    slowdown = net.duplex_slowdown
     arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
     waiting: list[tuple[int, int, _SliceJob]] = []
     in_flight: list[tuple[float, int]] = []  # (pushed, slices)
@@ -928,15 +930,15 @@ def _p3_transfers(
         for bundle in _take_bundles(waiting, room, slices_per_message):
             s, num_bytes, layer = bundle.server, bundle.num_bytes, bundle.jobs[0].layer
             out_s, in_s = out_factor * num_bytes / net.rate, remote[s] * num_bytes / net.rate
-            sent = worker_out.transfer(now, out_s, worker_in, slowdown)
-            received = server_in[s].transfer(now, in_s, server_out[s], slowdown)
+            sent = worker_out.transfer(now, out_s, worker_in, slowdown(out_s))
+            received = server_in[s].transfer(now, in_s, server_out[s], slowdown(in_s))
             pushed = max(sent, received) + net.hop_s
             heapq.heappush(in_flight, (pushed, len(bundle.jobs)))
             num_in_flight += len(bundle.jobs)
             work = num_bytes * per_byte_apply + len(bundle.jobs) * profile.server_round_s
             applied = server_cpu[s].hold(pushed, work)
-            answered = server_out[s].transfer(applied, in_s, server_in[s], slowdown)
-            received = worker_in.transfer(applied, out_s, worker_out, slowdown)
+            answered = server_out[s].transfer(applied, in_s, server_in[s], slowdown(in_s))
+            received = worker_in.transfer(applied, out_s, worker_out, slowdown(out_s))
             back = max(answered, received) + net.hop_s
             wire = _wire(cluster, bundle, bundle.messages)
             spans += [

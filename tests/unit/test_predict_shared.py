@@ -252,3 +252,30 @@ def test_batchnorm_syncs_cost_the_busy_ranks_hop_on_shared_cores_only() -> None:
     assert added(Cluster(workers=2, network=net)) == pytest.approx(syncs(1e-3))  # real hosts
     idle = dataclasses.replace(net, sync_message_s=())
     assert added(Cluster(workers=2, network=idle, shared_cores=2)) == pytest.approx(syncs(1e-3))
+
+
+def test_duplex_slowdown_follows_each_transfers_duration(tmp_path) -> None:
+    # Measured: 1 MB crosses in 10 ms one way and exchanges in 11 ms (1.1×); 16 MB takes
+    # 160 ms and 320 ms both ways (2×). Each transfer gets the ratio of its own duration,
+    # interpolated in log time; the largest size's ratio stays the scalar one.
+    from gradsync.predict.simulate import _HostLinks
+
+    rows: list[dict[str, float | str]] = [
+        {"op": "p2p", "bytes": 1 << 20, "time_s": 0.010},
+        {"op": "exchange", "bytes": 1 << 20, "time_s": 0.011},
+        {"op": "p2p", "bytes": 1 << 24, "time_s": 0.160},
+        {"op": "exchange", "bytes": 1 << 24, "time_s": 0.320},
+    ]
+    net = calibrate_duplex(Network(bandwidth=1e8), _commbench(tmp_path / "c.json", rows))
+    assert net.bidirectional_slowdown == pytest.approx(2.0)
+    assert net.duplex_slowdown(0.001) == pytest.approx(1.1)  # held below the smallest
+    assert net.duplex_slowdown(0.040) == pytest.approx(1.55)  # halfway in log time
+    assert net.duplex_slowdown(9.0) == pytest.approx(2.0)
+    assert Network(bandwidth=1e8, bidirectional_slowdown=1.5).duplex_slowdown(0.04) == 1.5
+    for seconds, slowdown in ((0.001, 1.1), (0.160, 2.0)):
+        links = _HostLinks(Cluster(workers=2, network=net, servers=1, host_of_server=(1,)))
+        num_bytes = seconds * net.rate
+        out = links._send(0.0, links.outbound, links.inbound, 0, num_bytes)
+        back = links._send(0.0, links.inbound, links.outbound, 0, num_bytes)
+        assert out == pytest.approx(seconds)  # first come, full rate
+        assert back == pytest.approx(slowdown * seconds)  # waits for its share of the link
