@@ -269,44 +269,40 @@ def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Non
     """Time allreduce, p2p and exchange at bucket-like sizes on the cells' emulated hosts
     (once per bandwidth; a rerun keeps it): the per-message cost and the usable share of
     the link, the CPU time of communication, and how much slower transfers both ways at
-    once are."""
-    from gradsync.commbench import CommbenchConfig, run_commbench
-    from gradsync.config import LaunchConfig
-
+    once are. Beside it, a 4 KB allreduce between ranks computing :data:`SYNC_BUSY_MS`
+    between calls (:func:`calibrate_sync`)."""
     path = _calibration(plan, bandwidth, out)
     assert path is not None
     if not (path.parent / SYNC).is_file():
-        _measure_sync(plan, bandwidth, path.parent / SYNC)
-    if path.is_file():
-        return
-    config = CommbenchConfig(
-        workers=plan.workers,
-        ops=("allreduce", "p2p", "exchange"),
-        sizes=CALIBRATION_SIZES,
-        # Many iterations where they fit in the budget: one small message's time sets the
-        # per-message cost α, and a 5-iteration mean of a 4 KB allreduce was seen anywhere
-        # from 0.3 to 3 ms on the same hosts.
-        warmup_iters=3,
-        iters=100,
-        time_budget_s=2.0,
-        out=str(path.parent),
-        launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
-    )
-    run_commbench(config, quiet=True)
-    print(f"calibration at {bandwidth}: {path}", flush=True)
+        _commbench(plan, bandwidth, path.parent / SYNC, ("allreduce",), (4 << 10,), SYNC_BUSY_MS)
+        print(f"blocking collectives between busy ranks at {bandwidth}: {path}", flush=True)
+    if not path.is_file():
+        _commbench(plan, bandwidth, path, ("allreduce", "p2p", "exchange"), CALIBRATION_SIZES)
+        print(f"calibration at {bandwidth}: {path}", flush=True)
 
 
-def _measure_sync(plan: ValidationPlan, bandwidth: str, path: Path) -> None:
-    """A 4 KB allreduce between the cells' ranks on their emulated hosts, each rank
-    computing :data:`SYNC_BUSY_MS` between calls (:func:`calibrate_sync`)."""
+def _commbench(
+    plan: ValidationPlan,
+    bandwidth: str,
+    path: Path,
+    ops: tuple[str, ...],
+    sizes: tuple[int, ...],
+    busy_ms: tuple[float, ...] = (0.0,),
+) -> None:
+    """One commbench run on the cells' emulated hosts, its results written to ``path``.
+
+    Many iterations where they fit in the budget: one small message's time sets the
+    per-message cost α, and a 5-iteration mean of a 4 KB allreduce was seen anywhere from
+    0.3 to 3 ms on the same hosts.
+    """
     from gradsync.commbench import CommbenchConfig, run_commbench
     from gradsync.config import LaunchConfig
 
     config = CommbenchConfig(
         workers=plan.workers,
-        ops=("allreduce",),
-        sizes=(4 << 10,),
-        busy_ms=SYNC_BUSY_MS,
+        ops=ops,
+        sizes=sizes,
+        busy_ms=busy_ms,
         warmup_iters=3,
         iters=100,
         time_budget_s=2.0,
@@ -314,7 +310,6 @@ def _measure_sync(plan: ValidationPlan, bandwidth: str, path: Path) -> None:
         launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
     )
     run_commbench(config, quiet=True)
-    print(f"blocking collectives between busy ranks at {bandwidth}: {path}", flush=True)
 
 
 def cluster_for(
