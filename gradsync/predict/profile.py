@@ -329,7 +329,7 @@ def _measure(request: ProfileRequest) -> Profile:
     )
     batch = request.batch or max(1, workload.global_batch // request.workers)
     model = workload.model.to(device)
-    batchnorm = _use_batchnorm(model, request.batchnorm)
+    channels = _use_batchnorm(model, request.batchnorm)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     updater = Updater(params.values(), OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
@@ -352,7 +352,7 @@ def _measure(request: ProfileRequest) -> Profile:
     from gradsync.probe import sparse_lookup_weights
 
     profile = _assemble(request, batch, clock, layers, params, sparse_lookup_weights(model))
-    return dataclasses.replace(profile, batchnorm_channels=batchnorm, batchnorm=request.batchnorm)
+    return dataclasses.replace(profile, batchnorm_channels=channels, batchnorm=request.batchnorm)
 
 
 def _use_batchnorm(model: Any, batchnorm: str) -> tuple[int, ...]:
