@@ -18,7 +18,9 @@ exchange    1                the tensor ranks r and r + n/2 send each other at o
 =========== ================ ===============================================
 
 ``exchange`` (on request) shows whether a link carries both directions at full rate: on a
-full-duplex link it takes as long as ``p2p``. Every row also has ``cpu_s``: the ranks' mean
+full-duplex link it takes as long as ``p2p``. Each rank posts its receive before its send,
+as gradsync's transport does (:class:`gradsync.comm.wire.Lanes` says why the order matters
+to Gloo). Every row also has ``cpu_s``: the ranks' mean
 process CPU time (every thread, user and system) per operation, what moving the bytes costs
 the CPU.
 
@@ -257,7 +259,10 @@ def _operation(op: str, size: int, rank: int, world_size: int) -> tuple[Callable
         peer = rank + half if rank < half else rank - half
 
         def exchange() -> None:
-            for work in (dist.isend(tensor, peer), dist.irecv(incoming, peer)):
+            # The receive first, as the transport's receivers are: Gloo sends a payload only
+            # once the peer has announced its receive, and an announcement posted after this
+            # rank's own send would queue behind it (the two sends would take turns).
+            for work in (dist.irecv(incoming, peer), dist.isend(tensor, peer)):
                 work.wait()
 
         return exchange, moved

@@ -256,7 +256,7 @@ class Client(ServerLinks):
                 header = torch.empty(HEADER, dtype=torch.float64)
                 values = self.pull_buffers[server][chunk.start : chunk.stop]
                 works = [
-                    dist.irecv(t, src=rank, group=self.group, tag=TAG_REPLY)
+                    dist.irecv(t, src=rank, group=self.lanes.from_rank(rank), tag=TAG_REPLY)
                     for t in (header, values)
                 ]
                 self._pulls.append((server, index, header, works))
@@ -276,7 +276,8 @@ class Client(ServerLinks):
         self.timeline.begin(f"push to {name}", Phase.PUSH, tensor=name, bytes=size)
         self.timeline.begin(f"pull from {name}", Phase.PULL, tensor=name)
         works = [
-            dist.isend(t, dst=rank, group=self.group, tag=TAG_PUSH) for t in (encoded, payload)
+            dist.isend(t, dst=rank, group=self.lanes.to(rank), tag=TAG_PUSH)
+            for t in (encoded, payload)
         ]
         self._pushes.append((server, index, works))
         self._sent += size

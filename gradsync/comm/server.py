@@ -46,6 +46,7 @@ from gradsync.comm.wire import (
     Header,
     Inbox,
     Kind,
+    Lanes,
     Message,
     Outbox,
     ReadBody,
@@ -506,20 +507,18 @@ def endpoints(
     *,
     num_workers: int,
     local_worker: int | None,
-    group: Any,
+    lanes: Lanes,
     timeout_s: float,
     read_body: ReadBody,
     deliver_local: Callable[[Message], None] | None = None,
-    reply_group: Any = None,
 ) -> tuple[Inbox, Outbox]:
     """A server's inbox (receivers from every worker but ``local_worker``) and outbox
-    (replies on ``reply_group``, default ``group``; ``local_worker``'s to ``deliver_local``).
-    Worker k is global rank k."""
+    (replies; ``local_worker``'s to ``deliver_local``). Worker k is global rank k."""
     remote = {w: w for w in range(num_workers) if w != local_worker}
-    inbox = Inbox(remote=remote.values(), group=group, timeout_s=timeout_s, read_body=read_body)
+    inbox = Inbox(remote=remote.values(), lanes=lanes, timeout_s=timeout_s, read_body=read_body)
     outbox = Outbox(
         ranks=remote,
-        group=group if reply_group is None else reply_group,
+        lanes=lanes,
         tag=TAG_REPLY,
         local_peer=local_worker,
         deliver_local=deliver_local,

@@ -632,7 +632,7 @@ class SparseClient(ServerLinks):
         rank = self.servers[server]
         # Each tensor is kept with its work: it must live until it has been sent.
         self._posted.extend(
-            (dist.isend(t, dst=rank, group=self.group, tag=TAG_PUSH), t) for t in pieces
+            (dist.isend(t, dst=rank, group=self.lanes.to(rank), tag=TAG_PUSH), t) for t in pieces
         )
         return sum(t.numel() * t.element_size() for t in pieces)
 
@@ -686,9 +686,9 @@ class SparseClient(ServerLinks):
             replies[s] = torch.empty(width)
             rank = self.servers[s]
             if rank is not None:  # receives posted before the request goes out
-                header = torch.empty(HEADER, dtype=torch.float64)
+                header, group = torch.empty(HEADER, dtype=torch.float64), self.lanes.from_rank(rank)
                 for tensor in (header, replies[s]):
-                    works.append(dist.irecv(tensor, src=rank, group=self.group, tag=TAG_REPLY))
+                    works.append(dist.irecv(tensor, src=rank, group=group, tag=TAG_REPLY))
                 received += HEADER * 8 + width * replies[s].element_size()
         header = Header(Kind.PULL, worker=self.worker, step=step)
         for s in asked:

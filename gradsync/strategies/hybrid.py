@@ -69,7 +69,7 @@ from gradsync.comm.sparse import (
     sparse_reader,
     split_rows,
 )
-from gradsync.comm.wire import Inbox
+from gradsync.comm.wire import Inbox, Lanes
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.options import InvalidOption, option
@@ -260,7 +260,7 @@ class Hybrid(ServerStrategy):
     # -- both roles ------------------------------------------------------------------------
 
     def _join(self, context: Context, is_worker: bool) -> None:
-        """Collective on every rank, in this order: transport group, node groups."""
+        """Collective on every rank, in this order: the transport's lanes, node groups."""
         self.context = context
         config = context.config
         self.options = config.strategy_options
@@ -268,7 +268,7 @@ class Hybrid(ServerStrategy):
         self.server_ranks = [
             s if self.options.colocate else context.num_workers + s for s in range(self.num_servers)
         ]
-        self.group = dist.new_group(list(range(context.world_size)))
+        self.lanes = Lanes.create(context.world_size)
         from gradsync.topology import detect_environment
 
         env = detect_environment()
@@ -311,7 +311,7 @@ class Hybrid(ServerStrategy):
         inbox, outbox = endpoints(
             num_workers=workers,
             local_worker=local_worker,
-            group=self.group,
+            lanes=self.lanes,
             timeout_s=context.config.launch.timeout_s,
             read_body=sparse_reader(self.on_server[server]),
             deliver_local=None if local_worker is None else self._local_replies.put,
@@ -440,7 +440,7 @@ class Hybrid(ServerStrategy):
             worker=context.worker_index,
             servers=[None if colocate and r == context.rank else r for r in self.server_ranks],
             partitions=self.on_server,
-            group=self.group,
+            lanes=self.lanes,
             timeout_s=context.config.launch.timeout_s,
             alive=lambda: self._colocated is not None and self._colocated.alive(),
         )

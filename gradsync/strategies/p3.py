@@ -93,6 +93,7 @@ from gradsync.comm.wire import (
     TAG_REPLY,
     Header,
     Kind,
+    Lanes,
     Message,
     Recv,
     ServerLinks,
@@ -164,14 +165,12 @@ class PriorityPropagation(ServerStrategy):
     # -- both roles ----------------------------------------------------------------------
 
     def _connect(self, context: Context, model: nn.Module | None) -> dict[str, Tensor]:
-        """Collective on every rank: one group per direction, then worker 0's variables."""
+        """Collective on every rank: the transport's lanes, then worker 0's variables."""
         config, workers = context.config, context.num_workers
         self.context = context
         self.timeout_s = config.launch.timeout_s
-        everyone = list(range(context.world_size))
         timeout = timedelta(seconds=self.timeout_s)
-        self.push_group = dist.new_group(everyone, timeout=timeout)
-        self.pull_group = dist.new_group(everyone, timeout=timeout)
+        self.lanes = Lanes.create(context.world_size, timeout)
         self.num_servers = config.strategy_options.num_servers(workers)
         # Server s lives on rank s when colocated, after the workers otherwise.
         colocate = config.strategy_options.colocate
@@ -209,8 +208,7 @@ class PriorityPropagation(ServerStrategy):
         inbox, outbox = endpoints(
             num_workers=workers,
             local_worker=local_worker,
-            group=self.push_group,
-            reply_group=self.pull_group,
+            lanes=self.lanes,
             timeout_s=self.timeout_s,
             read_body=slice_reader,
             deliver_local=None if local_worker is None else self._on_local_reply,
@@ -269,7 +267,7 @@ class PriorityPropagation(ServerStrategy):
         self.links = ServerLinks(
             worker=self.worker,
             servers=[None if r == context.rank else r for r in self.server_ranks],
-            group=self.push_group,
+            lanes=self.lanes,
             timeout_s=self.timeout_s,
         )
         if context.config.strategy_options.colocate:
@@ -287,7 +285,7 @@ class PriorityPropagation(ServerStrategy):
         self._receivers = [
             start_receiver(
                 rank=rank,
-                group=self.pull_group,
+                lanes=self.lanes,
                 tag=TAG_REPLY,
                 read_body=lambda header, recv, s=s: self._read_reply(s, header, recv),
                 deliver=lambda message, s=s: self._on_reply(s, message),
@@ -382,7 +380,8 @@ class PriorityPropagation(ServerStrategy):
         )
         dst, encoded = self.server_ranks[s.server], header.encode()
         pieces = [encoded, *tensors]
-        works = [dist.isend(t, dst=dst, group=self.push_group, tag=TAG_PUSH) for t in pieces]
+        group = self.lanes.to(dst)
+        works = [dist.isend(t, dst=dst, group=group, tag=TAG_PUSH) for t in pieces]
 
         def finish() -> None:  # the tensors live in this closure until they have left
             for work in works:

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.comm.placement import POLICIES, Placement, Variable, plan_placement
@@ -49,6 +48,7 @@ from gradsync.comm.server import (
     share_initial,
     split_variable,
 )
+from gradsync.comm.wire import Lanes
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
@@ -133,11 +133,11 @@ class ParameterServer(ServerStrategy):
     # -- both roles ----------------------------------------------------------------------
 
     def _connect(self, context: Context, model: nn.Module | None) -> dict[str, Tensor]:
-        """Collective on every rank: the transport group, then worker 0's variables."""
+        """Collective on every rank: the transport's lanes, then worker 0's variables."""
         config, workers = context.config, context.num_workers
         options = config.strategy_options
         self.context = context
-        self.group = dist.new_group(list(range(context.world_size)))
+        self.lanes = Lanes.create(context.world_size)
         self.num_servers = options.num_servers(workers)
         # Server s lives on rank s when colocated, after the workers otherwise.
         self.server_ranks = [
@@ -169,7 +169,7 @@ class ParameterServer(ServerStrategy):
         inbox, outbox = endpoints(
             num_workers=workers,
             local_worker=local_worker,
-            group=self.group,
+            lanes=self.lanes,
             timeout_s=config.launch.timeout_s,
             read_body=chunk_reader(self.chunks[server]),
             deliver_local=None if local_worker is None else self._local_replies.put,
@@ -208,7 +208,7 @@ class ParameterServer(ServerStrategy):
                 None if context.config.strategy_options.colocate and r == context.rank else r
                 for r in self.server_ranks
             ],
-            group=self.group,
+            lanes=self.lanes,
             timeout_s=context.config.launch.timeout_s,
             alive=lambda: self._colocated is not None and self._colocated.alive(),
             timeline=context.timeline,

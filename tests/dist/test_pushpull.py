@@ -6,7 +6,7 @@ import torch
 
 from gradsync.comm.pushpull import Client, DenseServer, chunk_reader, plan_chunks
 from gradsync.comm.server import ColocatedServer, ServerMetrics, ShardState, serve
-from gradsync.comm.wire import HEADER, TAG_REPLY, Inbox, Outbox
+from gradsync.comm.wire import HEADER, TAG_REPLY, Inbox, Lanes, Outbox
 from gradsync.config import OptimConfig
 from gradsync.optim import Updater
 
@@ -15,7 +15,11 @@ HEADER_BYTES = HEADER * 8  # the float64 header of every message
 
 
 def _server(
-    workers: int, local: tuple[int, Client] | None, size: int, synchronous: bool = True
+    workers: int,
+    local: tuple[int, Client] | None,
+    size: int,
+    lanes: Lanes,
+    synchronous: bool = True,
 ) -> tuple[Inbox, DenseServer, list]:
     """Inbox and policy of a server of ``size`` values (one slot: a push is the gradients
     and one had-a-gradient flag); ``local`` = (worker, client) sharing the process."""
@@ -23,13 +27,13 @@ def _server(
     remote = {w: w for w in range(workers) if w != local_worker}
     inbox = Inbox(
         remote=remote.values(),
-        group=None,
+        lanes=lanes,
         timeout_s=20,
         read_body=chunk_reader(plan_chunks([size], None)),
     )
     outbox = Outbox(
         ranks=remote,
-        group=None,
+        lanes=lanes,
         tag=TAG_REPLY,
         local_peer=local_worker,
         deliver_local=None if local is None else local[1].local_replies.put,
@@ -50,14 +54,14 @@ def _server(
 
 def _dedicated(rank: int, world_size: int, synchronous: bool) -> list:
     """Ranks 0, 1: workers; rank 2: the server of 3 values. Three steps, then state, done."""
-    workers, size = 2, 3
+    workers, size, lanes = 2, 3, Lanes.create(world_size)
     if rank == 2:
-        inbox, policy, records = _server(workers, None, size, synchronous)
+        inbox, policy, records = _server(workers, None, size, lanes, synchronous)
         serve(inbox, policy, num_workers=workers)
         rounds = [(r.step, r.bytes_recv, r.bytes_sent) for r in records]
         return [rounds, policy.state.values.tolist()]  # after every worker's DONE
     client = Client(
-        worker=rank, chunks=[plan_chunks([size], None)], servers=[2], group=None, timeout_s=20
+        worker=rank, chunks=[plan_chunks([size], None)], servers=[2], lanes=lanes, timeout_s=20
     )
     pulled = []
     for step in range(3):
@@ -92,14 +96,15 @@ def test_async_server_applies_every_push(run_ranks) -> None:
 
 def _colocated(rank: int, world_size: int) -> list:
     """Two ranks, each a worker and the server of a 2-value shard (its own through a queue)."""
+    lanes = Lanes.create(world_size)
     client = Client(
         worker=rank,
         chunks=[plan_chunks([2], None)] * 2,
         servers=[None if s == rank else s for s in range(2)],
-        group=None,
+        lanes=lanes,
         timeout_s=20,
     )
-    inbox, policy, _ = _server(2, (rank, client), 2)
+    inbox, policy, _ = _server(2, (rank, client), 2, lanes)
     client.local_inbox = inbox
     server = ColocatedServer(lambda: serve(inbox, policy, num_workers=2), name="test server")
     client.alive = server.alive
@@ -122,12 +127,13 @@ def test_colocated_server_thread_serves_its_own_worker_and_the_other(run_ranks) 
 
 def _loaded(rank: int, world_size: int) -> list:
     """Worker 0 installs a saved state on the server (resume) before the first push."""
+    lanes = Lanes.create(world_size)
     if rank == 2:
-        inbox, policy, _ = _server(2, None, 3)
+        inbox, policy, _ = _server(2, None, 3, lanes)
         serve(inbox, policy, num_workers=2)
         return []
     client = Client(
-        worker=rank, chunks=[plan_chunks([3], None)], servers=[2], group=None, timeout_s=20
+        worker=rank, chunks=[plan_chunks([3], None)], servers=[2], lanes=lanes, timeout_s=20
     )
     if rank == 0:
         client.load_state([{"values": torch.full((3,), 5.0)}], 0)  # returns once acknowledged
