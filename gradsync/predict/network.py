@@ -83,10 +83,10 @@ class Network:
     alone: 1 on a full-duplex network (the default), up to 2 where the directions take
     turns; measured by commbench's ``exchange`` against ``p2p`` (:func:`calibrate`). Ring
     collectives keep the rate their own calibration measured. ``duplex_curve``: the same
-    ratio at every size commbench measured, as (one-way seconds, slowdown) pairs: on
-    Gloo over a shaped link short transfers cross both ways at full rate and long ones
-    take turns, so each transfer takes the slowdown of its own duration
-    (:meth:`duplex_slowdown`).
+    ratio at every size commbench measured, as (one-way seconds, slowdown) pairs, so each
+    transfer takes the slowdown of its own duration (:meth:`duplex_slowdown`). A transport
+    whose sends wait on receives announced behind opposite traffic shows short transfers at
+    full rate and long ones taking turns (Gloo on one process group, send first).
     ``sync_message_s``: (compute between calls, per-message cost) pairs of a small
     blocking collective between ranks that compute between calls, measured by commbench
     ``--busy-ms`` (:func:`calibrate_sync`). On hosts that share cores it prices BatchNorm's

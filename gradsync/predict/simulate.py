@@ -26,10 +26,10 @@ functions, so a knob means the same thing here as in ``gradsync train``:
   only for layer i's slices. Simulated event by event over three steps (the last is the
   steady state).
 
-Links are full duplex unless the network says otherwise: where pushes and pulls crossing
-a link both ways at once were measured slower (``Network.duplex_slowdown``, emulated hosts:
-short transfers barely, long ones up to 2×), ``ps`` and ``p3`` transfers also hold the
-opposite direction for part of their time.
+Links are full duplex unless the network says otherwise: where point-to-point transfers
+crossing a link both ways at once were measured slower (``Network.duplex_slowdown``, from
+commbench's ``exchange``), ``ps`` and ``p3`` transfers also hold the opposite direction for
+part of their time.
 Where the hosts share cores (``Cluster.shared_cores``) the CPU time of communication and of
 the servers that overlaps compute lengthens it (:func:`shared_core_stretch`).
 
