@@ -50,6 +50,7 @@ PREFIX = "gs"
 STATE_DIR = Path("/run/gradsync/netem")
 NETNS_ETC = Path("/etc/netns")  # ip netns exec bind-mounts /etc/netns/NAME/* over /etc/*
 SHAPING_QDISC = "tbf"
+QUEUE_MS = 50  # what the shaping queue holds: a small message waits this long behind bulk data
 MAX_HOSTS = 250
 MAX_SUBNETS = 50 * 256
 NAMESPACE_PATTERN = re.compile(rf"^{PREFIX}([0-9a-f]{{6}})-(br|h\d+)$")
@@ -211,7 +212,10 @@ def tbf_arguments(bits_per_s: int) -> list[str]:
         ['tbf', 'rate', '1000000000bit', 'burst', '500000', 'latency', '50ms']
     """
     burst = max(64 * 1024, bits_per_s // 8 * 4 // 1000)
-    return [SHAPING_QDISC, "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", "50ms"]
+    return [
+        *(SHAPING_QDISC, "rate", f"{bits_per_s}bit", "burst", str(burst)),
+        *("latency", f"{QUEUE_MS}ms"),
+    ]
 
 
 class EmulatedHosts:

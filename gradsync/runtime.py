@@ -96,32 +96,15 @@ def _train_and_record(
         if dist.is_initialized() and env.world_size > config.workers
         else None
     )
-    # Global BatchNorm's blocking collectives get sockets of their own: on the gradients'
-    # group they would queue behind a bucket's bytes (Gloo sends a pair's messages in order).
-    batchnorm_group = (
-        dist.new_group(list(range(config.workers)))
-        if dist.is_initialized() and config.workers > 1 and config.batchnorm == "global"
-        else None
-    )
     if role == "server":  # a dedicated server: no model, no data, no trainer
         _serve(config, env, strategy, device, worker_group, timeline)
         return
     try:
-        groups = _Groups(workers=worker_group, batchnorm=batchnorm_group)
-        run = _prepare_worker(config, env, strategy, device, groups, timeline, threads)
+        run = _prepare_worker(config, env, strategy, device, worker_group, timeline, threads)
         _train_with_metrics(run, strategy)
         _finish_worker(run, strategy, timeline)
     finally:
         timeline.close()  # a failed or stopped rank's events reach the disk too (idempotent)
-
-
-@dataclass(frozen=True)
-class _Groups:
-    """A worker's process groups besides the world: every worker (None when the workers are
-    the world) and global BatchNorm's own (None without global BatchNorm)."""
-
-    workers: Any
-    batchnorm: Any
 
 
 @dataclass
@@ -147,19 +130,18 @@ def _prepare_worker(
     env: RankEnv,
     strategy: Strategy,
     device: torch.device,
-    groups: _Groups,
+    worker_group: Any,
     timeline: Timeline,
     threads: int,
 ) -> _WorkerRun:
     """Build the model (same initial parameters on every rank), probe it, set BatchNorm's
     mode, and make the strategy's context."""
-    worker_group = groups.workers
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     workload = workload_of(config, dropout=not config.deterministic)
     global_batch = config.global_batch or workload.global_batch
     workload.model.to(device)
     missing = _probe_gradients(strategy, workload, global_batch, env.rank, worker_group, device)
-    _set_batchnorm_mode(config, workload.model, groups.batchnorm, env.rank)
+    _set_batchnorm_mode(config, workload.model, worker_group, env.rank)
     if env.rank == 0 and (per_epoch := _iterations_per_epoch(workload, global_batch)):
         print(
             f"[rank 0] data: {workload.num_train_samples:,} training samples, so an epoch is "
@@ -188,10 +170,10 @@ def _prepare_worker(
 
 
 def _set_batchnorm_mode(
-    config: TrainConfig, model: torch.nn.Module, batchnorm_group: Any, rank: int
+    config: TrainConfig, model: torch.nn.Module, worker_group: Any, rank: int
 ) -> None:
     if config.workers > 1 and config.batchnorm == "global":
-        if convert_batchnorm(model, group=batchnorm_group) and rank == 0:
+        if convert_batchnorm(model, group=worker_group) and rank == 0:
             print("[rank 0] BatchNorm statistics span the global batch (cross-rank BatchNorm)")
     elif config.workers > 1 and has_batchnorm(model) and rank == 0:
         print("[rank 0] BatchNorm statistics per worker shard (--batchnorm local)")

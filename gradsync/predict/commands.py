@@ -92,6 +92,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--latency", default="25us", help="one-way latency per message (default 25us; 0 for none)"
     )
     predict.add_argument(
+        "--queue",
+        default="0",
+        help="how long a small message waits behind bulk data on a saturated link: the "
+        "link's queue (default 0: shallow switch buffers; gradsync's emulated hosts: 50ms)",
+    )
+    predict.add_argument(
         "--ranks-per-host", type=_positive, default=1, help="workers sharing one host link"
     )
     predict.add_argument(
@@ -227,6 +233,7 @@ EXPERIMENT_KEYS = {
     "workers",
     "bandwidth",
     "latency",
+    "queue",
     "ranks_per_host",
     "shared_cores",
     "servers",
@@ -287,11 +294,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     specs = _strategy_specs(args)
     workers = _worker_counts(args.workers)
     choices = [parse_choice(spec, max(workers)) for spec in specs]
-    latency = parse_latency(args.latency)
+    latency, queue = parse_latency(args.latency), parse_latency(args.queue, "--queue")
     intra = parse_bandwidth(args.intra_bandwidth) if args.intra_bandwidth else None
     networks = {}
     for text in (part.strip() for part in args.bandwidth.split(",") if part.strip()):
-        network = Network(bandwidth=parse_bandwidth(text), latency=latency, intra_bandwidth=intra)
+        rate = parse_bandwidth(text)
+        network = Network(bandwidth=rate, latency=latency, intra_bandwidth=intra, queue_s=queue)
         networks[text] = calibrate(network, args.calibrate) if args.calibrate else network
     if not networks:
         raise UserError("--bandwidth lists no rate; e.g. --bandwidth 1gbit,10gbit")
@@ -341,6 +349,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         "workers": workers,
         "bandwidths": list(networks),
         "latency_s": latency,
+        "queue_s": queue,
         "ranks_per_host": args.ranks_per_host,
         "shared_cores": shared,
         "calibrate": args.calibrate,

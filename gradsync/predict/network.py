@@ -49,8 +49,9 @@ def parse_bandwidth(text: str) -> float:
     return bits / 8
 
 
-def parse_latency(text: str) -> float:
-    """A one-way latency such as ``25us``, ``0.5ms`` or ``0`` as seconds.
+def parse_latency(text: str, option: str = "--latency") -> float:
+    """A duration such as ``25us``, ``0.5ms`` or ``0`` as seconds (``option`` names it in
+    errors).
 
     Example:
         >>> round(parse_latency("25us") * 1e6, 9), parse_latency("0.5ms"), parse_latency("0")
@@ -63,10 +64,10 @@ def parse_latency(text: str) -> float:
         value = float(number) * _TIME_UNITS[unit]
     except (ValueError, KeyError):
         raise UserError(
-            f"--latency {text!r} is not a duration; write e.g. 25us, 0.5ms or 0"
+            f"{option} {text!r} is not a duration; write e.g. 25us, 0.5ms or 0"
         ) from None
     if value < 0:
-        raise UserError(f"--latency must be >= 0, got {text}")
+        raise UserError(f"{option} must be >= 0, got {text}")
     return value
 
 
@@ -91,7 +92,11 @@ class Network:
     blocking collective between ranks that compute between calls, measured by commbench
     ``--busy-ms`` (:func:`calibrate_sync`). On hosts that share cores it prices BatchNorm's
     syncs: each waits for the slower rank and, with every core computing, for a core to run
-    the transport's threads. Empty: ``hop_s``, as between idle ranks."""
+    the transport's threads. Empty: ``hop_s``, as between idle ranks.
+    ``queue_s``: how long a small message waits behind bulk data on a saturated link (the
+    depth of the link's queue in seconds): a blocking collective issued while a gradient
+    bucket crosses the link waits that long, at most until the bucket is across. 0 (the
+    default) for shallow switch buffers; gradsync's emulated hosts queue 50 ms."""
 
     bandwidth: float
     latency: float = 0.0
@@ -103,10 +108,13 @@ class Network:
     bidirectional_slowdown: float = 1.0
     sync_message_s: tuple[tuple[float, float], ...] = ()
     duplex_curve: tuple[tuple[float, float], ...] = ()
+    queue_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise UserError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not self.queue_s >= 0:
+            raise UserError(f"the link's queue must be >= 0 s, got {self.queue_s}")
         if not 1.0 <= self.bidirectional_slowdown <= 2.0:
             raise UserError(
                 "bidirectional slowdown must be between 1 (full duplex) and 2 (the directions "

@@ -132,6 +132,8 @@ def predict_step(
         ) from None
     if batchnorm == "global":
         profile = with_batchnorm_sync(profile, cluster)
+    else:  # each worker normalizes its own shard: no layer synchronizes
+        profile = replace(profile, batchnorm_channels=())
     if cluster.shared_cores is None:
         step_s, spans, moved = simulator(profile, cluster, choice.options)
     else:
@@ -294,6 +296,7 @@ def _bucketed_allreduce(
     spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
     backward_start = profile.forward_s
     shift = comm_free = last_launch = moved = 0.0
+    gap = _sync_gap_s(profile, cluster)
     for number, bucket in enumerate(buckets):
         members = [variables[i] for i in bucket]
         size = wire_element_size or members[0].element_size
@@ -304,6 +307,9 @@ def _bucketed_allreduce(
         shift += fill
         start = max(launch + fill, comm_free)
         duration = cluster.ring_allreduce_s(num_bytes)
+        if gap is not None:  # backward's blocking syncs queue behind the bucket
+            left = backward_start + profile.backward_s + shift - start
+            shift += backward_lost_to_queue(gap, cluster.network.queue_s, duration, left)
         n = cluster.workers
         sent, messages = 2 * (n - 1) * num_bytes, 2 * n * (n - 1)  # a ring over all ranks
         name = f"ALLREDUCE bucket{number}"
@@ -324,6 +330,36 @@ def _bucketed_allreduce(
     spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_FUSION_BUFFER", synced, copy_out))
     spans.append(Span(COMPUTE_TRACK, "OPTIMIZER_STEP", synced + copy_out, update))
     return synced + copy_out + update, spans, moved
+
+
+def _sync_gap_s(profile: Profile, cluster: Cluster) -> float | None:
+    """Compute between two of global BatchNorm's blocking syncs where they cross host links
+    that queue (:attr:`Network.queue_s`); None where no sync waits behind a bucket."""
+    crosses = len(cluster.workers_per_host()) > 1
+    if not profile.batchnorm_channels or not crosses or cluster.network.queue_s <= 0:
+        return None
+    return profile.compute_s / (2 * len(profile.batchnorm_channels))
+
+
+def backward_lost_to_queue(
+    gap_s: float, queue_s: float, transfer_s: float, backward_left_s: float
+) -> float:
+    """Seconds backward loses while a bucket of ``transfer_s`` crosses the link with
+    ``backward_left_s`` of backward still to run: after every ``gap_s`` of compute a blocking
+    sync waits behind the bucket's queued bytes, q = min(``queue_s``, ``transfer_s``), so
+    backward runs at gap / (gap + q) of its speed until the bucket is across or backward
+    is done.
+
+    Example:
+        >>> round(backward_lost_to_queue(0.001, 0.05, 0.1, 1.0), 4)  # stalls ~the whole bucket
+        0.098
+        >>> backward_lost_to_queue(0.001, 0.0, 0.1, 1.0)  # a shallow queue: nothing lost
+        0.0
+    """
+    if backward_left_s <= 0 or queue_s <= 0:
+        return 0.0
+    wait = min(queue_s, transfer_s)
+    return min(transfer_s * wait / (gap_s + wait), backward_left_s * wait / gap_s)
 
 
 def _backward_then_wait(spans: list[Span], start: float, seconds: float, comm_done: float) -> float:

@@ -325,12 +325,12 @@ def cluster_for(
     from ``supplement/commbench.json`` beside it (measured for a calibration taken before
     commbench recorded them), and blocking collectives between busy ranks from
     ``sync/commbench.json`` where it was measured; the plan's ``shared_cores`` says how many
-    cores the hosts share."""
+    cores the hosts share. The links queue what the emulated hosts' shaping queues."""
     from gradsync.config import TrainConfig
-    from gradsync.netem import place_ranks
+    from gradsync.netem import QUEUE_MS, place_ranks
     from gradsync.strategies import strategy_class
 
-    network = Network(bandwidth=parse_bandwidth(bandwidth))
+    network = Network(bandwidth=parse_bandwidth(bandwidth), queue_s=QUEUE_MS / 1000)
     if calibration is not None:
         network = calibrate(network, calibration)
         extra = calibration.parent / SUPPLEMENT  # measured after the cells, if at all

@@ -229,6 +229,28 @@ def test_global_batchnorm_adds_its_blocking_collectives_to_forward_and_backward(
     assert with_batchnorm_sync(profile, one) == profile
 
 
+def test_batchnorm_syncs_wait_behind_a_bucket_in_a_deep_link_queue() -> None:
+    # Bucket 0 ("b") is ready half-way through backward and takes D on the wire. Global
+    # BatchNorm syncs every `gap` of compute; behind a queue at least D deep each waits
+    # until the bucket is across, so backward runs at gap / (gap + D) meanwhile and the
+    # step grows by D·D / (gap + D). Without a queue, or on one host, nothing waits.
+    base = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 0.5)])
+    profile = dataclasses.replace(base, batchnorm_channels=(1,) * 100)
+    no_fusion = StrategyChoice("allreduce", AllreduceOptions(fusion_threshold_mb=0))
+
+    def step(queue_s: float, ranks_per_host: int = 1, batchnorm: str = "global") -> float:
+        network = Network(bandwidth=1e6, queue_s=queue_s)
+        cluster = Cluster(workers=2, network=network, ranks_per_host=ranks_per_host)
+        return predict_step(profile, cluster, no_fusion, batchnorm=batchnorm).step_s
+
+    transfer = ring(2, (250_000 + 1) * 4, 1e6, 0.0)
+    shallow = step(0.0)
+    gap = (shallow - transfer) / 200  # the synced compute (bucket "a" follows it), 2 syncs a layer
+    assert step(10.0) - shallow == pytest.approx(transfer * transfer / (gap + transfer))
+    assert step(10.0, ranks_per_host=2) == pytest.approx(step(0.0, ranks_per_host=2))
+    assert step(10.0, batchnorm="local") == pytest.approx(step(0.0, batchnorm="local"))
+
+
 def test_sparse_rows_are_allgathered_after_the_dense_buckets_not_reduced_densely() -> None:
     import dataclasses
 

@@ -66,6 +66,7 @@ def test_predict_writes_table_json_plots_and_trace(tiny_profile: Path, tmp_path:
         (["predict", "--profile", "{profile}", "--strategies", "gossip"], "gossip"),
         (["predict", "--profile", "{profile}", "--bandwidth", "0gbit"], "0gbit"),
         (["predict", "--profile", "{profile}", "--workers", "0"], "positive"),
+        (["predict", "--profile", "{profile}", "--queue", "deep"], "--queue"),
         (["predict", "--profile", "{bad}"], "not a gradsync profile"),
         (["predict", "--validate", "no/such.toml"], "does not exist"),
     ],
