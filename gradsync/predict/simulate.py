@@ -1000,6 +1000,7 @@ __all__ = [
     "Span",
     "StepPrediction",
     "StrategyChoice",
+    "backward_lost_to_queue",
     "predict_step",
     "shared_core_stretch",
 ]
