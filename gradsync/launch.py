@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -91,11 +92,44 @@ class RankProcess:
         return any(marker in line for line in self.tail for marker in LOST_CONNECTION)
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_TRIES = 100
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port that is free right now on ``host``, below the kernel's ephemeral range.
+
+    Binding port 0 would give a port from that range, which the kernel also hands out as
+    the source port of outgoing connections. A rank that connects to the rendezvous port
+    before its master listens could then get it as its own source port and connect to
+    itself, or take the port from the master. Ports below the range are never handed out.
+
+    Example:
+        >>> free_port() < ephemeral_range()[0]
+        True
+    """
+    low = ephemeral_range()[0]
+    candidates = range(max(1024, low - 16384), low)
+    for port in random.sample(candidates, min(PORT_TRIES, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: any port
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default where
+    it cannot be read)."""
+    try:
+        low, high = (int(part) for part in EPHEMERAL_PORTS.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -47,6 +47,8 @@ from typing import Any
 
 import pytest
 
+from gradsync.launch import free_port
+
 DEFAULT_TIMEOUT_S = 30.0
 ERROR_GRACE_S = 3.0  # after one rank fails, how long the others get to report
 START_TIMEOUT_S = 60.0
@@ -54,13 +56,6 @@ START_TIMEOUT_S = 60.0
 
 class RankFailure(AssertionError):
     """One or more ranks raised, died or timed out."""
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RankPool:
