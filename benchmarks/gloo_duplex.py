@@ -46,9 +46,10 @@ def _rank_main(mode: str, size: int, iters: int) -> None:
     outgoing, incoming = torch.ones(size // 4), torch.empty(size // 4)
 
     def both_ways(first_recv: bool, send_group: object, recv_group: object) -> None:
-        send = lambda: dist.isend(outgoing, peer, group=send_group)  # noqa: E731
-        recv = lambda: dist.irecv(incoming, peer, group=recv_group)  # noqa: E731
-        works = [recv(), send()] if first_recv else [send(), recv()]
+        posts = [(dist.isend, outgoing, send_group), (dist.irecv, incoming, recv_group)]
+        if first_recv:
+            posts.reverse()
+        works = [post(tensor, peer, group=group) for post, tensor, group in posts]
         for work in works:
             work.wait()
 

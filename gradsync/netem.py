@@ -212,10 +212,8 @@ def tbf_arguments(bits_per_s: int) -> list[str]:
         ['tbf', 'rate', '1000000000bit', 'burst', '500000', 'latency', '50ms']
     """
     burst = max(64 * 1024, bits_per_s // 8 * 4 // 1000)
-    return [
-        *(SHAPING_QDISC, "rate", f"{bits_per_s}bit", "burst", str(burst)),
-        *("latency", f"{QUEUE_MS}ms"),
-    ]
+    rate, queue = f"{bits_per_s}bit", f"{QUEUE_MS}ms"
+    return [SHAPING_QDISC, "rate", rate, "burst", str(burst), "latency", queue]
 
 
 class EmulatedHosts:
