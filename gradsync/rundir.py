@@ -70,8 +70,9 @@ def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
 
 
 def _other_node(name: str) -> bool:
-    """Bookkeeping of another node of the same multi-node job, which may start first."""
-    return name.startswith(("ranks-node", ".launch-node", ".gradsync-probe."))
+    """Bookkeeping of another node of the same multi-node job, which may start first: its
+    launch files, their atomic-write temporaries (a leading dot added) and its write probe."""
+    return name.lstrip(".").startswith(("ranks-node", "launch-node", "gradsync-probe."))
 
 
 def check_writable(path: Path, *, flag: str = "--out") -> None:

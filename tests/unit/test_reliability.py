@@ -47,6 +47,24 @@ def test_a_used_run_folder_is_refused_and_overwrite_clears_it(tmp_path: Path) ->
     assert run.is_dir() and not any(run.iterdir())
 
 
+def test_another_nodes_launch_files_do_not_make_the_folder_used(tmp_path: Path) -> None:
+    """Node 1 may be writing its launch files (through temporaries) while node 0 claims."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in (
+        "ranks-node1.json",
+        ".ranks-node1.json.k2j4.tmp",
+        ".launch-node1.json",
+        "..launch-node1.json.x9q1.tmp",
+        ".gradsync-probe.abc",
+    ):
+        (run / name).write_text("{}")
+    claim_run_dir(run, overwrite=False)
+    (run / ".summary.json.q1w2.tmp").write_text("{}")
+    with pytest.raises(UserError, match="already holds a run"):
+        claim_run_dir(run, overwrite=False)
+
+
 def test_overwrite_never_clears_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     (tmp_path / "thesis.tex").write_text("years of work")
     with pytest.raises(UserError, match="no gradsync run"):
