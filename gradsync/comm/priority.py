@@ -395,7 +395,13 @@ def bundle_message(
 class P3Server(ServerPolicy):
     """One P3 server: a :class:`ShardState` per slice it owns; a slice is applied once every
     worker's contribution is in, and answered, in priority order, to every worker (up to
-    ``slices_per_message`` answers queued back to back for one worker share a message)."""
+    ``slices_per_message`` answers queued back to back for one worker share a message).
+
+    The answers keep a worker's window (:func:`send_window`) in flight per worker: a Gloo
+    send stays in flight until its receiver has posted the receive, so with one window for
+    all workers, a worker whose receiver thread is slow to wake held back every other
+    worker's answers (transformer, 2 workers behind one 300 Mbit/s link: the median answer
+    left 233 ms after its slice was applied, 54 ms with a window per worker)."""
 
     def __init__(
         self,
@@ -421,7 +427,7 @@ class P3Server(ServerPolicy):
             self._send_reply,
             name="p3-reply",
             fifo=fifo,
-            window=send_window(slices_per_message),
+            window=send_window(slices_per_message) * num_workers,
             bundle=self._bundle_peer,
             bundle_limit=slices_per_message,
         )
