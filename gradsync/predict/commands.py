@@ -66,6 +66,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="the BatchNorm layers to time, as `gradsync train --batchnorm` (global: gradsync's "
         "layer, its own work without peers; predict adds the collectives)",
     )
+    profile.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="disable dropout, as `gradsync train --deterministic` does (default: the model "
+        "as train runs it, dropout on)",
+    )
     profile.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     profile.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     profile.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
@@ -200,6 +206,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         concurrent=args.concurrent,
         batchnorm=args.batchnorm,
+        dropout=not args.deterministic,
     )
     profile = measure_profile(request)
     profile.save(Path(args.out))

@@ -110,6 +110,9 @@ class Profile:
     # Which BatchNorm the layers' times include: "global" (gradsync's layer, its own work
     # timed without peers) or "local" (torch's; every profile taken before it was recorded).
     batchnorm: str = "local"
+    # Whether the model's dropout ran, as `gradsync train` runs it (not with --deterministic);
+    # every profile taken before it was recorded ran without.
+    dropout: bool = False
     host: str = ""
     torch_version: str = ""
 
@@ -216,6 +219,7 @@ class ProfileRequest:
     seed: int = 0
     concurrent: int = 1
     batchnorm: str = TrainConfig.batchnorm
+    dropout: bool = not TrainConfig.deterministic  # as `gradsync train` runs the model
 
     def check(self) -> None:
         if self.batchnorm not in BATCHNORM_MODES:
@@ -290,7 +294,10 @@ def _sibling_steps(request: ProfileRequest, stop: Any, ready: Any) -> None:
     torch.set_num_threads(request.threads)
     torch.set_default_dtype(getattr(torch, request.dtype))
     workload = build_workload(
-        request.model, preset=request.preset, dropout=False, options=request.model_options
+        request.model,
+        preset=request.preset,
+        dropout=request.dropout,
+        options=request.model_options,
     )
     _use_batchnorm(workload.model, request.batchnorm)
     batch = request.batch or max(1, workload.global_batch // request.workers)
@@ -324,7 +331,7 @@ def _measure(request: ProfileRequest) -> Profile:
         request.model,
         preset=request.preset,
         seed=request.seed,
-        dropout=False,
+        dropout=request.dropout,
         options=request.model_options,
     )
     batch = request.batch or max(1, workload.global_batch // request.workers)
@@ -352,7 +359,12 @@ def _measure(request: ProfileRequest) -> Profile:
     from gradsync.probe import sparse_lookup_weights
 
     profile = _assemble(request, batch, clock, layers, params, sparse_lookup_weights(model))
-    return dataclasses.replace(profile, batchnorm_channels=channels, batchnorm=request.batchnorm)
+    return dataclasses.replace(
+        profile,
+        batchnorm_channels=channels,
+        batchnorm=request.batchnorm,
+        dropout=request.dropout,
+    )
 
 
 def _use_batchnorm(model: Any, batchnorm: str) -> tuple[int, ...]:
