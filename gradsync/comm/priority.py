@@ -397,11 +397,12 @@ class P3Server(ServerPolicy):
     worker's contribution is in, and answered, in priority order, to every worker (up to
     ``slices_per_message`` answers queued back to back for one worker share a message).
 
-    The answers keep a worker's window (:func:`send_window`) in flight per worker: a Gloo
-    send stays in flight until its receiver has posted the receive, so with one window for
-    all workers, a worker whose receiver thread is slow to wake held back every other
-    worker's answers (transformer, 2 workers behind one 300 Mbit/s link: the median answer
-    left 233 ms after its slice was applied, 54 ms with a window per worker)."""
+    The answers share one window, a worker's (:func:`send_window`) times the workers
+    answered, finished oldest first. A Gloo send stays in flight until its receiver has
+    posted the receive, so with a single worker's window for all of them, a worker whose
+    receiver thread was slow to wake soon filled it and held back every other worker's
+    answers (transformer, 2 workers behind one 300 Mbit/s link: the median answer left
+    233 ms after its slice was applied; 54 ms with the window sized for both)."""
 
     def __init__(
         self,

@@ -15,12 +15,12 @@ changes that let communication overlap computation:
 
 Messages: ``--slices-per-message N`` lets up to N slices queued back to back for the same
 server (and answers for the same worker) travel as one message, with N slices (at least
-4) in flight per sender (a server: per worker it answers). The default, 1, is MXNet's P3:
-a message per slice, 4 in flight. P3's
-messages cost microseconds in C++; each of ours passes through Gloo and several Python
-threads (2.4–3.6 ms of CPU per slice across the processes on vgg16), so where the cores are
-the bottleneck 16 per message takes p3 from 0.68× to 0.94× ``ps`` (vgg16 on loopback, 2
-cores). Behind a 300 Mbit/s link the larger messages cost 12% instead
+4) in flight per sender; a server's answers share that many times the workers it answers.
+The default, 1, is MXNet's P3: a message per slice, 4 in flight. P3's messages cost
+microseconds in C++; each of ours passes through Gloo and several Python threads (2.4–3.6
+ms of CPU per slice across the processes on vgg16), so where the cores are the bottleneck
+16 per message takes p3 from 0.68× to 0.94× ``ps`` (vgg16 on loopback, 2 cores). Behind
+a 300 Mbit/s link the larger messages cost 12% instead
 (docs/results/strategies-vs-ddp/session8). Sharing messages keeps the order and the slices
 the server applies; an urgent slice may wait behind N slices on the wire instead of 4.
 
