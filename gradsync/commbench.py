@@ -15,12 +15,15 @@ reduce      1                the tensor on each rank (to rank 0)
 broadcast   1                the tensor (from rank 0)
 p2p         1                the tensor rank 0 sends to rank 1
 exchange    1                the tensor ranks r and r + n/2 send each other at once
+wire        2                a message rank 0 sends rank 1 and its answer (a round trip)
 =========== ================ ===============================================
 
 ``exchange`` (on request) shows whether a link carries both directions at full rate: on a
 full-duplex link it takes as long as ``p2p``. Each rank posts its receive before its send,
 as gradsync's transport does (:class:`gradsync.comm.wire.Lanes` says why the order matters
-to Gloo). Every row also has ``cpu_s``: the ranks' mean
+to Gloo). ``wire`` (on request) is not a collective: it is a push and its answer through the
+server transport that ``ps``, ``hybrid`` and ``p3`` use (:mod:`gradsync.comm.echo`), header,
+receiver threads and all. Every row also has ``cpu_s``: the ranks' mean
 process CPU time (every thread, user and system) per operation, what moving the bytes costs
 the CPU.
 
@@ -40,13 +43,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gradsync.config import LaunchConfig
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_text
 from gradsync.tables import markdown_table, print_table
 from gradsync.topology import RankEnv, default_threads
+
+if TYPE_CHECKING:
+    from gradsync.comm.echo import WireEcho
 
 RESULTS_FILE = "commbench.json"
 PLOT_FILE = "commbench.png"
@@ -72,12 +78,14 @@ def busbw_factor(op: str, world_size: int) -> float:
         "broadcast": 1.0,
         "p2p": 1.0,
         "exchange": 1.0,
+        "wire": 2.0,  # the size crosses once each way, one after the other
     }
     return factors[op]
 
 
-OPS = ("allreduce", "reduce", "broadcast", "allgather", "p2p", "exchange")
-DEFAULT_OPS = OPS[:-1]  # exchange on request (predict's calibration of full duplex)
+OPS = ("allreduce", "reduce", "broadcast", "allgather", "p2p", "exchange", "wire")
+# exchange and wire on request (predict's calibration of full duplex and of the transport)
+DEFAULT_OPS = OPS[:-2]
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
 
@@ -206,13 +214,16 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
                 "node_group": list(node.ranks),
             },
         )
+        echo = _start_echo(config, env)
         results = []
         for busy_ms in config.busy_ms:
             for op in config.ops:
                 for size in config.sizes:
-                    results.append(_measure(op, size, busy_ms / 1e3, config, env))
+                    results.append(_measure(op, size, busy_ms / 1e3, config, env, echo))
                     if env.rank == 0:
                         _print_row(results[-1])
+        if echo is not None:
+            echo.stop()
         if env.rank == 0:
             payload = {
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -233,10 +244,28 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
         dist.destroy_process_group()
 
 
-def _operation(op: str, size: int, rank: int, world_size: int) -> tuple[Callable[[], None], int]:
+def _start_echo(config: CommbenchConfig, env: RankEnv) -> WireEcho | None:
+    """Rank 0's and rank 1's ends of the ``wire`` echo when it is measured (the transport's
+    two process groups are created on every rank); None elsewhere or without ``wire``."""
+    from gradsync.comm.echo import SERVER, WORKER, WireEcho
+    from gradsync.comm.wire import Lanes
+
+    if "wire" not in config.ops:
+        return None
+    lanes = Lanes.create(env.world_size, timedelta(seconds=config.launch.timeout_s))
+    return WireEcho.start(lanes, env.rank) if env.rank in (WORKER, SERVER) else None
+
+
+def _operation(
+    op: str, size: int, rank: int, world_size: int, echo: WireEcho | None = None
+) -> tuple[Callable[[], None], int]:
     """A closure running ``op`` once on preallocated tensors, and the bytes it moves."""
     import torch
     import torch.distributed as dist
+
+    if op == "wire":  # ranks 0 and 1 echo; the others wait at the barriers
+        payload = torch.ones(size, dtype=torch.uint8)
+        return (lambda: None) if echo is None else (lambda: echo.round_trip(payload)), size
 
     if op == "allgather":
         count = size // (ELEMENT_BYTES * world_size)
@@ -318,11 +347,16 @@ def _print_row(row: dict[str, Any]) -> None:
 
 
 def _measure(
-    op: str, size: int, busy_s: float, config: CommbenchConfig, env: RankEnv
+    op: str,
+    size: int,
+    busy_s: float,
+    config: CommbenchConfig,
+    env: RankEnv,
+    echo: WireEcho | None = None,
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    run, moved = _operation(op, size, env.rank, env.world_size)
+    run, moved = _operation(op, size, env.rank, env.world_size, echo)
     # The first warm-up iteration also sizes the rest, so slow links stay within the budget.
     dist.barrier()
     start = time.perf_counter()
@@ -338,13 +372,18 @@ def _measure(
         wall, cpu = _timed_between_compute(run, iters, busy_s)
     else:
         start, cpu_start = time.perf_counter(), time.process_time()
+        python_start = python_threads_cpu_s()
         for _ in range(iters):
             run()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        python = python_threads_cpu_s() - python_start
     seconds = _over_ranks(wall, "max") / iters  # the clocks are read before these collectives
     cpu_s = _over_ranks(cpu / iters, "mean")
     factor = busbw_factor(op, env.world_size)
     algbw = moved / seconds
+    extra = {}
+    if op == "wire" and not busy_s:  # what of it runs under the interpreter's lock
+        extra["python_cpu_s"] = _over_ranks(python / iters, "mean")
     return {
         "op": op,
         "bytes": moved,
@@ -357,7 +396,31 @@ def _measure(
         "busbw_Bps": algbw * factor,
         "cpu_s": cpu_s,
         "busy_s": busy_s,
+        **extra,
     }
+
+
+def python_threads_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's Python threads so far: the threads
+    that take turns under the interpreter's lock, without the transport's native threads
+    (Gloo's event loops). 0 where the OS does not say (no ``/proc``).
+
+    Example:
+        >>> python_threads_cpu_s() >= 0.0
+        True
+    """
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for thread in threading.enumerate():
+        try:
+            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+        except OSError:
+            continue
+        utime, stime = fields.rsplit(")", 1)[1].split()[11:13]
+        total += int(utime) + int(stime)
+    return total / tick
 
 
 # -- the whole job ----------------------------------------------------------------------------

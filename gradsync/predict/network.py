@@ -72,6 +72,32 @@ def parse_latency(text: str, option: str = "--latency") -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WireCosts:
+    """What a message through the server transport costs (pushes and pulls of ``ps``,
+    ``hybrid`` and ``p3``: a header and a payload, a receiver thread per peer, a fresh
+    buffer per message), measured by commbench's ``wire`` echo (:func:`calibrate_wire`).
+
+    ``message_s``: the fixed time of one message (a push, or its answer).
+    ``cpu_s_per_byte``, ``cpu_s_per_message``: CPU time over the whole job (both ends, every
+    thread), as :attr:`Network.cpu_s_per_byte` for collectives.
+    ``serial_s`` + ``serial_s_per_byte``·S: CPU time one rank's Python threads spend to
+    receive one message of S bytes and send one. Those threads take turns under the
+    interpreter's lock, so a server's receiving and answering takes turns with its
+    updates; Gloo's own threads move the bytes beside them.
+
+    Example:
+        >>> WireCosts(message_s=5e-4, serial_s=4e-4).serial_s_per_byte
+        0.0
+    """
+
+    message_s: float
+    cpu_s_per_byte: float = 0.0
+    cpu_s_per_message: float = 0.0
+    serial_s: float = 0.0
+    serial_s_per_byte: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Network:
     """Per-host link: ``bandwidth`` bytes/s each way, ``latency`` s one way, software
     overhead ``message_s`` per message; ``efficiency`` scales the usable bandwidth (the
@@ -96,7 +122,9 @@ class Network:
     ``queue_s``: how long a small message waits behind bulk data on a saturated link (the
     depth of the link's queue in seconds): a blocking collective issued while a gradient
     bucket crosses the link waits that long, at most until the bucket is across. 0 (the
-    default) for shallow switch buffers; gradsync's emulated hosts queue 50 ms."""
+    default) for shallow switch buffers; gradsync's emulated hosts queue 50 ms.
+    ``wire``: what the server transport's messages cost (:class:`WireCosts`); None: as
+    the collectives'."""
 
     bandwidth: float
     latency: float = 0.0
@@ -109,6 +137,7 @@ class Network:
     sync_message_s: tuple[tuple[float, float], ...] = ()
     duplex_curve: tuple[tuple[float, float], ...] = ()
     queue_s: float = 0.0
+    wire: WireCosts | None = None
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
@@ -134,6 +163,33 @@ class Network:
     def hop_s(self) -> float:
         """Fixed cost of one message: latency plus software overhead."""
         return self.latency + self.message_s
+
+    @property
+    def wire_hop_s(self) -> float:
+        """Fixed cost of one server-transport message (a push or an answer)."""
+        return self.latency + (self.message_s if self.wire is None else self.wire.message_s)
+
+    def cpu_s(self, num_bytes: float, messages: int, *, wire: bool = False) -> float:
+        """CPU time (both ends) of moving ``num_bytes`` in ``messages``, through the server
+        transport when ``wire``.
+
+        Example:
+            >>> net = Network(bandwidth=1e9, cpu_s_per_byte=1e-9,
+            ...               wire=WireCosts(message_s=0.0, cpu_s_per_byte=2e-9))
+            >>> net.cpu_s(1e6, 0), net.cpu_s(1e6, 0, wire=True)
+            (0.001, 0.002)
+        """
+        if wire and self.wire is not None:
+            return num_bytes * self.wire.cpu_s_per_byte + messages * self.wire.cpu_s_per_message
+        return num_bytes * self.cpu_s_per_byte + messages * self.cpu_s_per_message
+
+    def serial_s(self, num_bytes: float) -> float:
+        """Seconds a rank's Python threads spend on receiving one server-transport message
+        of ``num_bytes`` and sending one: work a server does in turn with its updates
+        (0 where it was not measured)."""
+        if self.wire is None:
+            return 0.0
+        return self.wire.serial_s + num_bytes * self.wire.serial_s_per_byte
 
     def sync_hop_s(self, compute_between_s: float) -> float:
         """Fixed cost of one message of a blocking collective between ranks that compute
@@ -313,6 +369,8 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     if any(r.get("busy_s") for r in payload["results"]):
         network = calibrate_sync(network, path)
     ops = {r.get("op") for r in _idle_rows(payload)}
+    if "wire" in ops:
+        network = calibrate_wire(network, path)
     pair = int(payload.get("world_size", 0)) == 2  # exchange over p2p means one pair's links
     return calibrate_duplex(network, path) if pair and {"p2p", "exchange"} <= ops else network
 
@@ -427,6 +485,48 @@ def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
     return replace(network, bidirectional_slowdown=curve[-1][1], duplex_curve=tuple(curve))
 
 
+def calibrate_wire(network: Network, commbench_path: str | Path) -> Network:
+    """``network`` with the server transport's costs (:class:`WireCosts`) measured by
+    ``gradsync commbench --ops wire``: rank 0 sends S bytes to rank 1 and waits for an
+    answer of S bytes (:mod:`gradsync.comm.echo`). Over sizes, the round trip's time
+    ``t = a + b·S`` gives the per-message cost ``a / 2`` (a push and its answer); the job's
+    CPU time (every rank's process, receiver threads included) ``c = a' + b'·S`` gives
+    ``b' / 2`` per byte moved (S each way) and ``a' / 4`` per message (a header and a
+    payload each way); a rank's Python threads' CPU time (``python_cpu_s``, a receive and a
+    send each) is the serial cost line itself. Lines as :func:`calibrate` fits them.
+
+    Example:
+        >>> # calibrate_wire(Network(bandwidth=125e6), "wire/commbench.json").wire_hop_s
+    """
+    path = Path(commbench_path)
+    try:
+        payload: dict[str, Any] = json.loads(path.read_text())
+        rows = [r for r in _idle_rows(payload) if r["op"] == "wire"]
+        ranks = int(payload["world_size"])
+        times = [(r["bytes"], r["time_s"]) for r in rows]
+        cpus = [(r["bytes"], ranks * r["cpu_s"]) for r in rows]  # mean per rank → job
+        # The echo's two ranks; the others, if any, wait and count for nothing.
+        serial = [(r["bytes"], ranks / 2 * r["python_cpu_s"]) for r in rows if "python_cpu_s" in r]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{path}: not a commbench.json ({error})") from None
+    if len(rows) < 2:
+        raise UserError(
+            f"{path}: needs wire times at two or more sizes; measure them with "
+            "`gradsync commbench --ops wire --sizes 4K,64K,1M,4M`"
+        )
+    _, time_intercept = _two_regime_line(times)
+    cpu_slope, cpu_intercept = _two_regime_line(cpus)
+    serial_slope, serial_intercept = _two_regime_line(serial) if len(serial) > 1 else (0, 0)
+    costs = WireCosts(
+        message_s=max(0.0, time_intercept) / 2,
+        cpu_s_per_byte=max(0.0, cpu_slope) / 2,
+        cpu_s_per_message=max(0.0, cpu_intercept) / 4,
+        serial_s=max(0.0, serial_intercept),
+        serial_s_per_byte=max(0.0, serial_slope),
+    )
+    return replace(network, wire=costs)
+
+
 def _two_regime_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Slope between the two largest sizes; intercept from the smallest.
 
@@ -444,9 +544,11 @@ def _two_regime_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 __all__ = [
     "Cluster",
     "Network",
+    "WireCosts",
     "calibrate",
     "calibrate_cpu",
     "calibrate_duplex",
+    "calibrate_wire",
     "parse_bandwidth",
     "parse_latency",
 ]

@@ -66,7 +66,8 @@ INDEX_BYTES = 8  # int64 row indices of sparse pushes and pulls
 class Span:
     """One predicted activity on a track, seconds from the step's start. A communication
     span also says what it moves over the whole job (``num_bytes`` sent between ranks,
-    ``messages``): the CPU work it costs where hosts share cores."""
+    ``messages``; ``wire``: through the server transport, not a collective): the CPU work
+    it costs where hosts share cores."""
 
     track: str
     name: str
@@ -74,6 +75,7 @@ class Span:
     duration: float
     num_bytes: float = 0.0
     messages: int = 0
+    wire: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) 
     spread over the cores.
 
     The CPU work is the communication's (each span's bytes and messages at the network's
-    measured ``cpu_s_per_byte`` and ``cpu_s_per_message``, both ends together) and the
+    measured CPU costs, both ends together: :meth:`Network.cpu_s`, the server transport's
+    own for its spans) and the
     servers' (a server span is CPU time). The profile's compute was measured with every
     worker computing at once, so the workers keep ``min(workers, cores)`` cores busy; of
     the overlapping work X, ``max(0, cores − workers)`` idle cores absorb their share and
@@ -230,7 +233,7 @@ def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) 
         if span.track == COMPUTE_TRACK or span.duration <= 0:
             continue
         if span.track == COMM_TRACK:
-            cpu = span.num_bytes * net.cpu_s_per_byte + span.messages * net.cpu_s_per_message
+            cpu = net.cpu_s(span.num_bytes, span.messages, wire=span.wire)
         else:  # a server's aggregation and update
             cpu = span.duration
         overlap = sum(
@@ -483,7 +486,7 @@ def _link_phase_s(cluster: Cluster, bytes_per_server: list[float]) -> float:
     on_host = cluster.workers_per_host()
     for host, num_bytes in server_load.items():
         worst = max(worst, num_bytes * (cluster.workers - on_host.get(host, 0)))
-    return worst / net.rate + (net.hop_s if worst else 0.0)
+    return worst / net.rate + (net.wire_hop_s if worst else 0.0)
 
 
 def _with_layout(cluster: Cluster, servers: int, *, colocate: bool) -> Cluster:
@@ -582,11 +585,12 @@ def _simulate_sync_ps(
             pushed = max(links.push(now, c.server, c.num_bytes) for c in together)
             for chunk in together:
                 name = f"PUSH server {chunk.server} chunk {chunk.index}"
-                spans.append(Span(COMM_TRACK, name, now, pushed - now, *_wire(cluster, chunk)))
+                spans.append(_wire_span(name, now, pushed - now, cluster, chunk))
                 heapq.heappush(events, (pushed, next(tie), "apply", [chunk]))
         elif what == "apply":
             chunk = together[0]
             work = chunk.num_bytes * per_byte_apply + profile.server_round_s
+            work += cluster.remote_workers(chunk.server) * cluster.network.serial_s(chunk.num_bytes)
             applied = server_cpu[chunk.server].hold(now, work)
             name = f"AGGREGATE_APPLY server {chunk.server} chunk {chunk.index}"
             spans.append(Span(SERVER_TRACK, name, applied - work, work))
@@ -595,7 +599,7 @@ def _simulate_sync_ps(
             chunk = together[0]
             back = links.pull(now, chunk.server, chunk.num_bytes)
             name = f"PULL server {chunk.server} chunk {chunk.index}"
-            spans.append(Span(COMM_TRACK, name, now, back - now, *_wire(cluster, chunk)))
+            spans.append(_wire_span(name, now, back - now, cluster, chunk))
             done = max(done, back)
     synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, done)
     total = sum(c.num_bytes for c in chunks)
@@ -604,13 +608,17 @@ def _simulate_sync_ps(
     return synced + copy_out, spans, 2 * total
 
 
-def _wire(cluster: Cluster, transfer: Any, messages: int = 2) -> tuple[float, int]:
-    """What one push or pull of ``transfer`` (``server``, ``num_bytes``) moves between
-    processes over the whole job: one copy per remote worker, each ``messages`` messages
-    (the toolkit's transport: a header and a payload; a p3 bundle adds its manifest); a
-    colocated worker's copy stays in its process."""
+def _wire_span(
+    name: str, start: float, duration: float, cluster: Cluster, transfer: Any, messages: int = 2
+) -> Span:
+    """The span of one push or pull of ``transfer`` (``server``, ``num_bytes``) through the
+    server transport, with what it moves between processes over the whole job: one copy
+    per remote worker, each ``messages`` messages (a header and a payload; a p3 bundle adds
+    its manifest); a colocated worker's copy stays in its process."""
     remote = cluster.remote_workers(transfer.server)
-    return remote * transfer.num_bytes, messages * remote
+    return Span(
+        COMM_TRACK, name, start, duration, remote * transfer.num_bytes, messages * remote, True
+    )
 
 
 class _Pipe:
@@ -652,7 +660,7 @@ class _HostLinks:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.rate = cluster.network.rate
-        self.hop_s = cluster.network.hop_s
+        self.hop_s = cluster.network.wire_hop_s
         hosts = set(cluster.workers_per_host())
         hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
         self.outbound = {h: _Pipe() for h in hosts}
@@ -921,6 +929,84 @@ def _take_bundles(
     return [_Bundle(jobs) for jobs in per_server.values()]
 
 
+class _P3Path:
+    """The pipes a P3 slice crosses: the worker's link each way, each server's link each way
+    and each server's CPU, reserved first come, first served."""
+
+    def __init__(self, cluster: Cluster, profile: Profile, slices_per_message: int) -> None:
+        self.cluster, self.profile, self.net = cluster, profile, cluster.network
+        self.limit = slices_per_message
+        self.out_factor = cluster.busiest_worker_host()
+        self.remote = [cluster.remote_workers(s) for s in range(cluster.servers)]
+        self.worker_out, self.worker_in = _Pipe(), _Pipe()
+        self.server_in = [_Pipe() for _ in range(cluster.servers)]
+        self.server_out = [_Pipe() for _ in range(cluster.servers)]
+        self.server_cpu = [_Pipe() for _ in range(cluster.servers)]
+        self.per_byte_apply = (
+            profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
+        )
+
+    def push(self, now: float, bundle: _Bundle) -> float:
+        """Send ``bundle`` from every worker at ``now``; return when it is in."""
+        s, num_bytes = bundle.server, bundle.num_bytes
+        return self._cross(now, s, num_bytes, self.worker_out, self.server_in[s])
+
+    def _cross(
+        self, ready: float, server: int, num_bytes: float, worker_side: _Pipe, server_side: _Pipe
+    ) -> float:
+        """``num_bytes`` between every worker and ``server`` over the pipes given (and their
+        opposites where the link is not fully duplex); return when they are across."""
+        net = self.net
+        worker_s = self.out_factor * num_bytes / net.rate
+        server_s = self.remote[server] * num_bytes / net.rate
+        opposite = self.worker_in if worker_side is self.worker_out else self.worker_out
+        server_opposite = (
+            self.server_out[server]
+            if server_side is self.server_in[server]
+            else self.server_in[server]
+        )
+        at_worker = worker_side.transfer(ready, worker_s, opposite, net.duplex_slowdown(worker_s))
+        at_server = server_side.transfer(
+            ready, server_s, server_opposite, net.duplex_slowdown(server_s)
+        )
+        return max(at_worker, at_server) + net.wire_hop_s
+
+    def apply_and_answer(self, pushed: float, bundle: _Bundle, spans: list[Span]) -> list[float]:
+        """Apply ``bundle``'s slices one by one once it is in and answer each as the server's
+        sender does: an answer leaves once its slice is applied and the link is free, with
+        the answers applied by then (up to ``slices_per_message``) in the same message.
+        Return when each slice is back at the worker."""
+        s, net, remote = bundle.server, self.net, self.remote[bundle.server]
+        # Taking the message in: the server's Python half of a receive, in turn with applies.
+        ready = self.server_cpu[s].hold(pushed, remote * net.serial_s(bundle.num_bytes) / 2)
+        backs: list[float] = []
+        waiting: list[_SliceJob] = []
+        for job in bundle.jobs:
+            work = job.num_bytes * self.per_byte_apply + self.profile.server_round_s
+            work += remote * net.serial_s(job.num_bytes) / 2  # the answer's send
+            applied = self.server_cpu[s].hold(ready, work)
+            name = f"AGGREGATE_APPLY layer{job.layer}"
+            spans.append(Span(SERVER_TRACK, name, applied - work, work))
+            sending_from = max(self.server_out[s].free, waiting[0].ready if waiting else applied)
+            if waiting and (applied > sending_from or len(waiting) == self.limit):
+                backs += self._answer(waiting, spans)
+                waiting = []
+            waiting.append(replace(job, ready=applied))
+        return backs + self._answer(waiting, spans)
+
+    def _answer(self, jobs: list[_SliceJob], spans: list[Span]) -> list[float]:
+        """One answer message of ``jobs`` (applied at their ``ready``); their back times."""
+        answer = _Bundle(jobs)
+        applied = max(job.ready for job in jobs)
+        s = answer.server
+        back = self._cross(applied, s, answer.num_bytes, self.worker_in, self.server_out[s])
+        name = f"PULL layer{jobs[0].layer}"
+        spans.append(
+            _wire_span(name, applied, back - applied, self.cluster, answer, answer.messages)
+        )
+        return [back] * len(jobs)
+
+
 def _p3_transfers(
     jobs: list[_SliceJob],
     cluster: Cluster,
@@ -935,16 +1021,7 @@ def _p3_transfers(
     from gradsync.comm.priority import send_window
 
     window = send_window(slices_per_message)
-    net = cluster.network
-    workers = cluster.workers
-    out_factor = cluster.busiest_worker_host()
-    remote = [cluster.remote_workers(s) for s in range(cluster.servers)]
-    worker_out, worker_in = _Pipe(), _Pipe()
-    server_in = [_Pipe() for _ in range(cluster.servers)]
-    server_out = [_Pipe() for _ in range(cluster.servers)]
-    server_cpu = [_Pipe() for _ in range(cluster.servers)]
-    per_byte_apply = profile.aggregate_s_per_byte * workers + profile.apply_s_per_byte
-    slowdown = net.duplex_slowdown
+    path = _P3Path(cluster, profile, slices_per_message)
     arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
     waiting: list[tuple[int, int, _SliceJob]] = []
     in_flight: list[tuple[float, int]] = []  # (pushed, slices)
@@ -964,25 +1041,13 @@ def _p3_transfers(
             next_arrival += 1
         room = window - num_in_flight
         for bundle in _take_bundles(waiting, room, slices_per_message):
-            s, num_bytes, layer = bundle.server, bundle.num_bytes, bundle.jobs[0].layer
-            out_s, in_s = out_factor * num_bytes / net.rate, remote[s] * num_bytes / net.rate
-            sent = worker_out.transfer(now, out_s, worker_in, slowdown(out_s))
-            received = server_in[s].transfer(now, in_s, server_out[s], slowdown(in_s))
-            pushed = max(sent, received) + net.hop_s
+            pushed = path.push(now, bundle)
             heapq.heappush(in_flight, (pushed, len(bundle.jobs)))
             num_in_flight += len(bundle.jobs)
-            work = num_bytes * per_byte_apply + len(bundle.jobs) * profile.server_round_s
-            applied = server_cpu[s].hold(pushed, work)
-            answered = server_out[s].transfer(applied, in_s, server_in[s], slowdown(in_s))
-            received = worker_in.transfer(applied, out_s, worker_out, slowdown(out_s))
-            back = max(answered, received) + net.hop_s
-            wire = _wire(cluster, bundle, bundle.messages)
-            spans += [
-                Span(COMM_TRACK, f"PUSH layer{layer}", now, pushed - now, *wire),
-                Span(SERVER_TRACK, f"AGGREGATE_APPLY layer{layer}", applied - work, work),
-                Span(COMM_TRACK, f"PULL layer{layer}", applied, back - applied, *wire),
-            ]
-            for job in bundle.jobs:
+            name = f"PUSH layer{bundle.jobs[0].layer}"
+            spans.append(_wire_span(name, now, pushed - now, cluster, bundle, bundle.messages))
+            backs = path.apply_and_answer(pushed, bundle, spans)
+            for job, back in zip(bundle.jobs, backs, strict=True):
                 layer_ready[job.layer] = max(layer_ready[job.layer], back)
     return layer_ready
 

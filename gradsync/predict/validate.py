@@ -50,6 +50,7 @@ from gradsync.predict.network import (
     calibrate_cpu,
     calibrate_duplex,
     calibrate_sync,
+    calibrate_wire,
     check_shared_cores,
     parse_bandwidth,
 )
@@ -81,6 +82,10 @@ SUPPLEMENT = Path("supplement") / "commbench.json"
 # is about 1.5 ms on a 2-core Xeon).
 SYNC = Path("sync") / "commbench.json"
 SYNC_BUSY_MS = (0.5, 1.0, 2.0, 4.0)
+# A push and its answer through the server transport (commbench's wire echo): what ps,
+# hybrid and p3 messages cost, at the sizes of a row pull, a p3 slice, a bundle, a ps chunk.
+WIRE = Path("wire") / "commbench.json"
+WIRE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,12 +275,16 @@ def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Non
     (once per bandwidth; a rerun keeps it): the per-message cost and the usable share of
     the link, the CPU time of communication, and how much slower transfers both ways at
     once are. Beside it, a 4 KB allreduce between ranks computing :data:`SYNC_BUSY_MS`
-    between calls (:func:`calibrate_sync`)."""
+    between calls (:func:`calibrate_sync`), and a push and its answer through the server
+    transport at :data:`WIRE_SIZES` (:func:`calibrate_wire`)."""
     path = _calibration(plan, bandwidth, out)
     assert path is not None
     if not (path.parent / SYNC).is_file():
         _commbench(plan, bandwidth, path.parent / SYNC, ("allreduce",), (4 << 10,), SYNC_BUSY_MS)
         print(f"blocking collectives between busy ranks at {bandwidth}: {path}", flush=True)
+    if not (path.parent / WIRE).is_file():
+        _commbench(plan, bandwidth, path.parent / WIRE, ("wire",), WIRE_SIZES, iters=1000)
+        print(f"the server transport at {bandwidth}: {path.parent / WIRE}", flush=True)
     if not path.is_file():
         _commbench(plan, bandwidth, path, ("allreduce", "p2p", "exchange"), CALIBRATION_SIZES)
         print(f"calibration at {bandwidth}: {path}", flush=True)
@@ -288,12 +297,14 @@ def _commbench(
     ops: tuple[str, ...],
     sizes: tuple[int, ...],
     busy_ms: tuple[float, ...] = (0.0,),
+    iters: int = 100,
 ) -> None:
     """One commbench run on the cells' emulated hosts, its results written to ``path``.
 
     Many iterations where they fit in the budget: one small message's time sets the
     per-message cost α, and a 5-iteration mean of a 4 KB allreduce was seen anywhere from
-    0.3 to 3 ms on the same hosts.
+    0.3 to 3 ms on the same hosts. (The wire echo takes 1000 where they fit: the CPU clock
+    of its Python threads ticks every 10 ms.)
     """
     from gradsync.commbench import CommbenchConfig, run_commbench
     from gradsync.config import LaunchConfig
@@ -304,7 +315,7 @@ def _commbench(
         sizes=sizes,
         busy_ms=busy_ms,
         warmup_iters=3,
-        iters=100,
+        iters=iters,
         time_budget_s=2.0,
         out=str(path.parent),
         launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
@@ -323,8 +334,9 @@ def cluster_for(
     ``calibration`` (a commbench.json) when given: the ring's time, and the CPU cost of
     communication and the bidirectional slowdown of point-to-point transfers from it or
     from ``supplement/commbench.json`` beside it (measured for a calibration taken before
-    commbench recorded them), and blocking collectives between busy ranks from
-    ``sync/commbench.json`` where it was measured; the plan's ``shared_cores`` says how many
+    commbench recorded them), blocking collectives between busy ranks from
+    ``sync/commbench.json`` and the server transport's messages from ``wire/commbench.json``
+    where they were measured; the plan's ``shared_cores`` says how many
     cores the hosts share. The links queue what the emulated hosts' shaping queues."""
     from gradsync.config import TrainConfig
     from gradsync.netem import QUEUE_MS, place_ranks
@@ -338,6 +350,8 @@ def cluster_for(
             network = calibrate_duplex(calibrate_cpu(network, extra), extra)
         if (calibration.parent / SYNC).is_file():
             network = calibrate_sync(network, calibration.parent / SYNC)
+        if (calibration.parent / WIRE).is_file():
+            network = calibrate_wire(network, calibration.parent / WIRE)
     config = TrainConfig(
         workers=plan.workers, strategy=choice.name, strategy_options=choice.options
     )

@@ -61,6 +61,28 @@ def test_exchange_on_an_odd_number_of_ranks_leaves_the_odd_one_out(workdir: Path
     assert [r["op"] for r in rows] == ["exchange", "p2p"]
 
 
+def test_wire_echoes_through_the_server_transport_and_counts_its_python_threads(
+    workdir: Path,
+) -> None:
+    # 3 ranks: 0 sends, 1 answers, 2 waits at the barriers; the receiver threads end cleanly.
+    result = _gradsync(
+        workdir, "commbench --workers 3 --ops wire,p2p --sizes 4K,1M --warmup 1 --iters 20 --out w"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((workdir / "w" / "commbench.json").read_text())["results"]
+    assert [(r["op"], r["bytes"]) for r in rows] == [
+        ("wire", 4096),
+        ("wire", 2**20),
+        ("p2p", 4096),
+        ("p2p", 2**20),
+    ]
+    wire = [r for r in rows if r["op"] == "wire"]
+    for row in wire:  # a round trip: the size crosses once each way
+        assert row["busbw_factor"] == 2 and row["time_s"] > 0 and row["cpu_s"] > 0
+        assert 0 <= row["python_cpu_s"] <= row["cpu_s"] * 3  # a mean over 3 ranks, 2 busy
+    assert all("python_cpu_s" not in r for r in rows if r["op"] == "p2p")
+
+
 def test_busy_ranks_compute_between_calls_and_every_interval_gets_its_rows(
     workdir: Path,
 ) -> None:
