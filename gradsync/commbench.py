@@ -371,12 +371,12 @@ def _measure(
     if busy_s > 0:
         wall, cpu = _timed_between_compute(run, iters, busy_s)
     else:
+        python_start = python_threads_cpu_s() if op == "wire" else 0.0
         start, cpu_start = time.perf_counter(), time.process_time()
-        python_start = python_threads_cpu_s()
         for _ in range(iters):
             run()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        python = python_threads_cpu_s() - python_start
+        python = python_threads_cpu_s() - python_start if op == "wire" else 0.0
     seconds = _over_ranks(wall, "max") / iters  # the clocks are read before these collectives
     cpu_s = _over_ranks(cpu / iters, "mean")
     factor = busbw_factor(op, env.world_size)

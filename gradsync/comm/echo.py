@@ -39,6 +39,10 @@ WORKER, SERVER = 0, 1  # the global ranks that take part
 TIMEOUT_S = 60.0
 
 
+def _peer_of(rank: int) -> int:
+    return SERVER if rank == WORKER else WORKER
+
+
 def _read_payload(header: Header, recv: Recv) -> list[Tensor]:
     """A PUSH or a REPLY carries ``header.length`` bytes."""
     if header.kind in (Kind.PUSH, Kind.REPLY):
@@ -55,10 +59,14 @@ class WireEcho:
     inbox: queue.Queue[Message | BaseException]
     receiver: Any
 
+    @property
+    def peer(self) -> int:
+        return _peer_of(self.rank)
+
     @classmethod
     def start(cls, lanes: Lanes, rank: int) -> WireEcho:
         """Start this rank's receiver thread (rank 0 or 1 only)."""
-        peer = SERVER if rank == WORKER else WORKER
+        peer = _peer_of(rank)
         tag_in, tag_out = (TAG_REPLY, TAG_PUSH) if rank == WORKER else (TAG_PUSH, TAG_REPLY)
         inbox: queue.Queue[Message | BaseException] = queue.Queue()
         receiver = start_receiver(
@@ -73,10 +81,9 @@ class WireEcho:
         return cls(rank, outbox, inbox, receiver)
 
     def _send(self, kind: Kind, payload: Tensor | None = None) -> None:
-        peer = SERVER if self.rank == WORKER else WORKER
         tensors = [] if payload is None else [payload]
         length = sum(nbytes(t) for t in tensors)
-        _, wait = self.outbox.post(peer, Header(kind, length=length), tensors)
+        _, wait = self.outbox.post(self.peer, Header(kind, length=length), tensors)
         wait()
 
     def _next(self) -> Message:

@@ -948,26 +948,24 @@ class _P3Path:
 
     def push(self, now: float, bundle: _Bundle) -> float:
         """Send ``bundle`` from every worker at ``now``; return when it is in."""
-        s, num_bytes = bundle.server, bundle.num_bytes
-        return self._cross(now, s, num_bytes, self.worker_out, self.server_in[s])
+        return self._cross(now, bundle.server, bundle.num_bytes, to_server=True)
 
-    def _cross(
-        self, ready: float, server: int, num_bytes: float, worker_side: _Pipe, server_side: _Pipe
-    ) -> float:
-        """``num_bytes`` between every worker and ``server`` over the pipes given (and their
-        opposites where the link is not fully duplex); return when they are across."""
+    def _cross(self, ready: float, server: int, num_bytes: float, *, to_server: bool) -> float:
+        """``num_bytes`` between every worker and ``server``, toward the server (a push) or
+        back (an answer), holding the opposite directions too where the link is not fully
+        duplex; return when they are across."""
         net = self.net
+        worker_pipes = (self.worker_out, self.worker_in)
+        server_pipes = (self.server_in[server], self.server_out[server])
+        if not to_server:
+            worker_pipes, server_pipes = worker_pipes[::-1], server_pipes[::-1]
         worker_s = self.out_factor * num_bytes / net.rate
         server_s = self.remote[server] * num_bytes / net.rate
-        opposite = self.worker_in if worker_side is self.worker_out else self.worker_out
-        server_opposite = (
-            self.server_out[server]
-            if server_side is self.server_in[server]
-            else self.server_in[server]
+        at_worker = worker_pipes[0].transfer(
+            ready, worker_s, worker_pipes[1], net.duplex_slowdown(worker_s)
         )
-        at_worker = worker_side.transfer(ready, worker_s, opposite, net.duplex_slowdown(worker_s))
-        at_server = server_side.transfer(
-            ready, server_s, server_opposite, net.duplex_slowdown(server_s)
+        at_server = server_pipes[0].transfer(
+            ready, server_s, server_pipes[1], net.duplex_slowdown(server_s)
         )
         return max(at_worker, at_server) + net.wire_hop_s
 
@@ -987,8 +985,12 @@ class _P3Path:
             applied = self.server_cpu[s].hold(ready, work)
             name = f"AGGREGATE_APPLY layer{job.layer}"
             spans.append(Span(SERVER_TRACK, name, applied - work, work))
-            sending_from = max(self.server_out[s].free, waiting[0].ready if waiting else applied)
-            if waiting and (applied > sending_from or len(waiting) == self.limit):
+            # The answers waiting leave when the link frees; this one joins them if it is
+            # applied by then and the message has room.
+            if waiting and (
+                len(waiting) == self.limit
+                or applied > max(self.server_out[s].free, waiting[0].ready)
+            ):
                 backs += self._answer(waiting, spans)
                 waiting = []
             waiting.append(replace(job, ready=applied))
@@ -999,7 +1001,7 @@ class _P3Path:
         answer = _Bundle(jobs)
         applied = max(job.ready for job in jobs)
         s = answer.server
-        back = self._cross(applied, s, answer.num_bytes, self.worker_in, self.server_out[s])
+        back = self._cross(applied, s, answer.num_bytes, to_server=False)
         name = f"PULL layer{jobs[0].layer}"
         spans.append(
             _wire_span(name, applied, back - applied, self.cluster, answer, answer.messages)
