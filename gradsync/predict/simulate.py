@@ -51,6 +51,7 @@ from typing import Any
 
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
+from gradsync.predict.links import SharedLinks
 from gradsync.predict.network import Cluster
 from gradsync.predict.profile import Profile, VariableProfile
 from gradsync.strategies.allreduce import AllreduceOptions
@@ -558,49 +559,48 @@ def _simulate_sync_ps(
     profile: Profile, cluster: Cluster, chunks: list[_PushChunk]
 ) -> tuple[float, list[Span], float]:
     """Chunks pushed as backward completes them (each copied into its buffer on the
-    backward thread first), over per-host links; each server applies a chunk once every
+    backward thread first), over host links the connections share
+    (:class:`~gradsync.predict.links.SharedLinks`); each server applies a chunk once every
     worker's is in and answers it; the step ends when the last answer is back."""
     spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
-    links = _HostLinks(cluster)
+    links = SharedLinks(cluster)
     per_byte_apply = profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
     server_cpu = [_Pipe() for _ in range(cluster.servers)]
     backward_start = profile.forward_s
     shift = 0.0
-    # Chunks completed by the same gradient (a partitioned variable; every chunk, without
-    # overlap) leave together: concurrent isends share the links and arrive together.
-    events: list[tuple[float, int, str, list[_PushChunk]]] = []  # (time, tie, what, chunks)
-    tie = itertools.count()  # equal times: the order events were made in
+    pushes: list[tuple[float, _PushChunk]] = []  # (when it leaves, chunk), in that order
     for _, group in itertools.groupby(
         sorted(chunks, key=lambda c: (c.ready_s, c.server)), lambda c: c.ready_s
     ):
         together = list(group)
         shift += sum(c.num_bytes for c in together) * profile.copy_s_per_byte  # into buffers
-        events.append((backward_start + together[0].ready_s + shift, next(tie), "push", together))
-    heapq.heapify(events)
+        pushes += [(backward_start + together[0].ready_s + shift, c) for c in together]
+    # Transfers start in time order (a heap); the links say when each is in.
+    starts = [(when, i, "PUSH", chunk) for i, (when, chunk) in enumerate(pushes)]
+    heapq.heapify(starts)
+    tie = itertools.count(len(starts))  # equal times: the order the starts were made in
+    began: dict[tuple[str, int, int], float] = {}
     done = 0.0
-    # Every pipe is reserved in time order (a heap of events), so first come, first served.
-    while events:
-        now, _, what, together = heapq.heappop(events)
-        if what == "push":
-            pushed = max(links.push(now, c.server, c.num_bytes) for c in together)
-            for chunk in together:
-                name = f"PUSH server {chunk.server} chunk {chunk.index}"
-                spans.append(_wire_span(name, now, pushed - now, cluster, chunk))
-                heapq.heappush(events, (pushed, next(tie), "apply", [chunk]))
-        elif what == "apply":
-            chunk = together[0]
+    while starts or links.busy:
+        now = min(starts[0][0] if starts else math.inf, links.next_event())
+        for what, chunk in links.advance(now):
+            key = (what, chunk.server, chunk.index)
+            name = f"{what} server {chunk.server} chunk {chunk.index}"
+            spans.append(_wire_span(name, began[key], now - began[key], cluster, chunk))
+            if what == "PULL":
+                done = max(done, now)
+                continue
             work = chunk.num_bytes * per_byte_apply + profile.server_round_s
             work += cluster.remote_workers(chunk.server) * cluster.network.serial_s(chunk.num_bytes)
             applied = server_cpu[chunk.server].hold(now, work)
             name = f"AGGREGATE_APPLY server {chunk.server} chunk {chunk.index}"
             spans.append(Span(SERVER_TRACK, name, applied - work, work))
-            heapq.heappush(events, (applied, next(tie), "pull", together))
-        else:
-            chunk = together[0]
-            back = links.pull(now, chunk.server, chunk.num_bytes)
-            name = f"PULL server {chunk.server} chunk {chunk.index}"
-            spans.append(_wire_span(name, now, back - now, cluster, chunk))
-            done = max(done, back)
+            heapq.heappush(starts, (applied, next(tie), "PULL", chunk))
+        while starts and starts[0][0] <= now:
+            _, _, what, chunk = heapq.heappop(starts)
+            began[(what, chunk.server, chunk.index)] = now
+            move = links.push if what == "PUSH" else links.pull
+            move(now, server=chunk.server, num_bytes=chunk.num_bytes, tag=(what, chunk))
     synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, done)
     total = sum(c.num_bytes for c in chunks)
     copy_out = total * profile.copy_s_per_byte
@@ -622,7 +622,7 @@ def _wire_span(
 
 
 class _Pipe:
-    """A first-come-first-served resource: a link direction or a server's CPU."""
+    """A first-come-first-served resource: a server's CPU, a link direction."""
 
     def __init__(self) -> None:
         self.free = 0.0
@@ -647,65 +647,6 @@ class _Pipe:
         if slowdown > 1.0:
             opposite.hold(ready, (slowdown - 1.0) * seconds)
         return crossed
-
-
-class _HostLinks:
-    """Every host's link, each way, as a first-come-first-served pipe. A push from the
-    workers to server s holds the outbound link of each other host with workers (one copy
-    per worker there) and the inbound link of s's host (one copy per remote worker); a pull
-    the reverse. Servers sharing a host share its link, and so do a colocated server's
-    answers and its worker's pushes. Each transfer also holds the opposite direction of its
-    link where the network is not fully duplex (:meth:`_Pipe.transfer`)."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self.rate = cluster.network.rate
-        self.hop_s = cluster.network.wire_hop_s
-        hosts = set(cluster.workers_per_host())
-        hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
-        self.outbound = {h: _Pipe() for h in hosts}
-        self.inbound = {h: _Pipe() for h in hosts}
-        self.network = cluster.network
-
-    def push(self, ready: float, server: int, num_bytes: float) -> float:
-        return self._move(ready, server, num_bytes, self.outbound, self.inbound)
-
-    def pull(self, ready: float, server: int, num_bytes: float) -> float:
-        return self._move(ready, server, num_bytes, self.inbound, self.outbound)
-
-    def _move(
-        self,
-        ready: float,
-        server: int,
-        num_bytes: float,
-        worker_side: dict[int, _Pipe],
-        server_side: dict[int, _Pipe],
-    ) -> float:
-        """Move ``num_bytes`` between every worker and ``server`` at once over the host
-        links, ``worker_side`` and ``server_side`` the directions it takes at either end;
-        return when the last copy is in."""
-        remote = self.cluster.remote_workers(server)
-        if not remote:
-            return ready
-        host = self.cluster.server_host(server)
-        ends = [self._send(ready, server_side, worker_side, host, remote * num_bytes)]
-        for h, count in self.cluster.workers_per_host().items():
-            if h != host:
-                ends.append(self._send(ready, worker_side, server_side, h, count * num_bytes))
-        return max(ends) + self.hop_s
-
-    def _send(
-        self,
-        ready: float,
-        direction: dict[int, _Pipe],
-        opposite: dict[int, _Pipe],
-        host: int,
-        num_bytes: float,
-    ) -> float:
-        """``num_bytes`` over ``host``'s link in ``direction``; return when they are across."""
-        seconds = num_bytes / self.rate
-        slowdown = self.network.duplex_slowdown(seconds)
-        return direction[host].transfer(ready, seconds, opposite[host], slowdown)
 
 
 def _simulate_async_ps(

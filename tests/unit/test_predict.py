@@ -155,6 +155,33 @@ def test_pushes_that_leave_together_arrive_together() -> None:
     assert predict_step(profile, cluster, choice).step_s == pytest.approx(3.0 + 4.0 + 4.0)
 
 
+def test_pushes_to_two_servers_share_the_link_instead_of_queueing() -> None:
+    # One worker, two servers on host 1, 1 MB/s each way, 1 MB a variable. "b" is ready at
+    # 2.5 s and goes alone for 0.5 s; from 3.0 s "a" (to the other server, so on another
+    # connection) shares the link: b is in at 4.0, a at 4.5. The answers share the same
+    # way: b's 4.0–5.5, a's 4.5–6.0. One queue (first come, first served) would say 5.5.
+    profile = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 1.5)])
+    cluster = Cluster(
+        workers=1,
+        network=Network(bandwidth=1e6),
+        servers=2,
+        host_of_worker=(0,),
+        host_of_server=(1, 1),
+    )
+    choice = StrategyChoice("ps", PSOptions(servers=2, push_chunk_mb=0))
+    step = predict_step(profile, cluster, choice)
+    assert step.step_s == pytest.approx(6.0)
+    ends = {s.name: s.start + s.duration for s in step.spans if s.name.startswith("P")}
+    assert ends == pytest.approx(
+        {
+            "PUSH server 1 chunk 0": 4.0,
+            "PUSH server 0 chunk 0": 4.5,
+            "PULL server 1 chunk 0": 5.5,
+            "PULL server 0 chunk 0": 6.0,
+        }
+    )
+
+
 def p3_case(priority: bool, slices_per_message: int = 1) -> float:
     """Layer 0 (1 slice) becomes ready 1 s after layer 1's 6 slices; every slice takes 1 s
     on each link. Derivation in docs/predict.md ("a priority case"): the next forward waits

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -258,7 +259,7 @@ def test_duplex_slowdown_follows_each_transfers_duration(tmp_path) -> None:
     # Measured: 1 MB crosses in 10 ms one way and exchanges in 11 ms (1.1×); 16 MB takes
     # 160 ms and 320 ms both ways (2×). Each transfer gets the ratio of its own duration,
     # interpolated in log time; the largest size's ratio stays the scalar one.
-    from gradsync.predict.simulate import _HostLinks
+    from gradsync.predict.links import SharedLinks
 
     rows: list[dict[str, float | str]] = [
         {"op": "p2p", "bytes": 1 << 20, "time_s": 0.010},
@@ -273,9 +274,22 @@ def test_duplex_slowdown_follows_each_transfers_duration(tmp_path) -> None:
     assert net.duplex_slowdown(9.0) == pytest.approx(2.0)
     assert Network(bandwidth=1e8, bidirectional_slowdown=1.5).duplex_slowdown(0.04) == 1.5
     for seconds, slowdown in ((0.001, 1.1), (0.160, 2.0)):
-        links = _HostLinks(Cluster(workers=2, network=net, servers=1, host_of_server=(1,)))
+        links = SharedLinks(Cluster(workers=1, network=net, servers=1, host_of_server=(1,)))
         num_bytes = seconds * net.rate
-        out = links._send(0.0, links.outbound, links.inbound, 0, num_bytes)
-        back = links._send(0.0, links.inbound, links.outbound, 0, num_bytes)
-        assert out == pytest.approx(seconds)  # first come, full rate
-        assert back == pytest.approx(slowdown * seconds)  # waits for its share of the link
+        links.push(0.0, server=0, num_bytes=num_bytes, tag="out")
+        links.pull(0.0, server=0, num_bytes=num_bytes, tag="back")
+        # Each shares its link direction with the other's (d − 1)·t: both in at d·t.
+        both = {"out": slowdown * seconds, "back": slowdown * seconds}
+        assert _arrivals(links) == pytest.approx(both)
+        alone = SharedLinks(Cluster(workers=1, network=net, servers=1, host_of_server=(1,)))
+        alone.push(0.0, server=0, num_bytes=num_bytes, tag="out")
+        assert _arrivals(alone) == pytest.approx({"out": seconds})  # one way alone: full rate
+
+
+def _arrivals(links: Any) -> dict[str, float]:
+    """When each transfer started on ``links`` is in."""
+    arrived = {}
+    while links.busy:
+        now = links.next_event()
+        arrived |= {tag: now for tag in links.advance(now)}
+    return arrived
