@@ -42,7 +42,10 @@ class VariableProfile:
     """One trainable parameter: bytes on the wire and when its gradient is ready.
 
     ``grad_ready_s`` is measured from the start of backward. ``rows_touched`` is the median
-    number of distinct rows a sparse variable's gradient has per step (0 for dense ones).
+    number of distinct rows a sparse variable's gradient has per step (0 for dense ones);
+    ``densify_s`` the median seconds of making its gradient dense (``to_dense``, a fresh
+    tensor of the whole table: what ``ps``, ``p3`` and ``sparse_as_dense`` do in the
+    backward hook), 0 for dense ones and in profiles taken before it was measured.
     """
 
     name: str
@@ -53,6 +56,7 @@ class VariableProfile:
     sparse: bool = False
     num_rows: int = 0
     rows_touched: float = 0.0
+    densify_s: float = 0.0
 
     @property
     def num_bytes(self) -> int:
@@ -443,10 +447,12 @@ class _StepClock:
         self._mark("backward", self._backward_start)
 
     def count_rows(self, params: dict[str, Any]) -> None:
+        """Rows each sparse gradient touches, and how long making it dense takes."""
         for name, param in params.items():
             if param.grad is not None and param.grad.is_sparse:
                 rows = param.grad.coalesce().indices()[0].unique().numel()
                 self.samples.setdefault(f"rows:{name}", []).append(float(rows))
+                self.time(param.grad.to_dense, f"densify:{name}")
 
     def time(self, work: Callable[[], None], key: str) -> None:
         started = self._now()
@@ -483,6 +489,7 @@ def _assemble(
             sparse=name in sparse,
             num_rows=param.shape[0] if name in sparse else 0,
             rows_touched=clock.median(f"rows:{name}", warmup) if name in sparse else 0.0,
+            densify_s=clock.median(f"densify:{name}", warmup) if name in sparse else 0.0,
         )
         for name, param in params.items()
     ]

@@ -15,6 +15,7 @@ from gradsync.predict.simulate import (
     predict_step,
 )
 from gradsync.strategies.allreduce import AllreduceOptions
+from gradsync.strategies.hybrid import HybridOptions
 from gradsync.strategies.p3 import P3Options
 from gradsync.strategies.ps import PSOptions
 
@@ -302,3 +303,23 @@ def test_sparse_rows_are_allgathered_after_the_dense_buckets_not_reduced_densely
     as_dense = StrategyChoice("allreduce", AllreduceOptions(sparse_as_dense=True))
     step = predict_step(profile, cluster, as_dense).step_s
     assert step == pytest.approx(3.0 + ring(n, (11_000 + 2) * 4, rate, hop))
+
+
+def test_strategies_that_push_sparse_gradients_dense_pay_for_densifying_them() -> None:
+    # A 1 MB sparse table, its gradient complete at the end of backward (3.0 s) and 0.5 s
+    # to make dense. ps pushes it dense over a 1 MB/s link and pulls it back: 3.0 + 0.5 +
+    # 2 × 1.0 s. hybrid sends its rows as they are: no densifying.
+    table = dataclasses.replace(
+        variable("table", 250_000, 2.0), sparse=True, num_rows=1000, rows_touched=10.0
+    )
+    cluster = Cluster(workers=1, network=Network(bandwidth=1e6))
+    for densify_s, step_s in ((0.0, 5.0), (0.5, 5.5)):
+        profile = profile_of([dataclasses.replace(table, densify_s=densify_s)])
+        ps = predict_step(profile, cluster, StrategyChoice("ps", PSOptions()))
+        assert ps.step_s == pytest.approx(step_s)
+    hybrid = StrategyChoice("hybrid", HybridOptions())
+    plain, costly = (
+        predict_step(profile_of([dataclasses.replace(table, densify_s=d)]), cluster, hybrid)
+        for d in (0.0, 0.5)
+    )
+    assert costly.step_s == plain.step_s

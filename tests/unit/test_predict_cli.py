@@ -43,6 +43,8 @@ def test_sparse_rows_are_profiled() -> None:
     sparse = {v.name: v for v in profile.sparse_variables}
     assert "embedding.weight" in sparse
     assert 0 < sparse["embedding.weight"].rows_touched <= sparse["embedding.weight"].num_rows
+    assert sparse["embedding.weight"].densify_s > 0  # timed: making the gradient dense
+    assert all(v.densify_s == 0 for v in profile.dense_variables)
 
 
 def test_predict_writes_table_json_plots_and_trace(tiny_profile: Path, tmp_path: Path) -> None:
