@@ -68,13 +68,17 @@ class _Direction:
         """Seconds until the first head finishes at the current shares."""
         return min(queue[0].remaining for queue in self.waiting) * len(self.waiting) / rate
 
-    def move(self, num_bytes: float) -> list[_Leg]:
-        """Each head moves ``num_bytes`` on; return the legs that are through."""
+    def move(self, num_bytes: float, *, finish_soonest: bool) -> list[_Leg]:
+        """Each head moves ``num_bytes`` on; return the legs that are through: those with
+        nothing left, and with ``finish_soonest`` the heads that had the least left (so
+        rounding cannot leave a crumb that never finishes)."""
+        least = min(queue[0].remaining for queue in self.waiting)
         through = []
         for queue in self.waiting:
             head = queue[0]
+            soonest = finish_soonest and head.remaining == least
             head.remaining -= num_bytes
-            if head.remaining <= 1e-9 * max(1.0, num_bytes):
+            if soonest or head.remaining <= 1e-9 * num_bytes:
                 through.append(queue.popleft())
         self.waiting = [queue for queue in self.waiting if queue]
         return through
@@ -125,8 +129,8 @@ class SharedLinks:
         """Move every waiting connection's bytes on to ``until``; return the tags of the
         transfers in by then (in no particular order)."""
         while (leg_end := self._next_leg_end()) <= until:
-            self._move(leg_end)
-        self._move(until)
+            self._move(leg_end, finishing=True)
+        self._move(until, finishing=False)
         due = [tag for when, tag in self._arrivals if when <= until]
         self._arrivals = [(when, tag) for when, tag in self._arrivals if when > until]
         return due
@@ -139,12 +143,15 @@ class SharedLinks:
         ends = (direction.next_end(self.rate) for direction in self.active)
         return self.now + min(ends, default=math.inf)
 
-    def _move(self, until: float) -> None:
-        """Every waiting head moves on to ``until`` at its share of the rate (no head
-        finishes before then)."""
+    def _move(self, until: float, *, finishing: bool) -> None:
+        """Every waiting head moves on to ``until`` at its share of the rate; with
+        ``finishing``, ``until`` is the next leg end and the directions whose end it is
+        finish their soonest heads."""
         seconds = until - self.now
         for direction in self.active:
-            for leg in direction.move(seconds * self.rate / len(direction.waiting)):
+            due = finishing and self.now + direction.next_end(self.rate) <= until
+            share = seconds * self.rate / len(direction.waiting)
+            for leg in direction.move(share, finish_soonest=due):
                 self._leg_done(leg, until)
         self.active = [direction for direction in self.active if direction.waiting]
         self.now = max(self.now, until)

@@ -113,7 +113,7 @@ class ValidationPlan:
     threads: int = 1
     recommend: bool = False
     calibrate: bool | str = False  # true: commbench per bandwidth; a path: that commbench.json
-    profile_steps: int = 8
+    profile_steps: int = 15
     shared_cores: int | None = None  # the emulated hosts all run on this many cores
 
     def bandwidths_of(self, model: ModelEntry) -> tuple[str, ...]:
