@@ -100,9 +100,9 @@ class SharedLinks:
         self.network = cluster.network
         self.rate = cluster.network.rate
         self.now = 0.0
-        self.server_hosts = {cluster.server_host(s) for s in range(cluster.servers)}
-        self.worker_hosts = _alike_worker_hosts(cluster, self.server_hosts)
-        hosts = self.server_hosts | {h for h, _ in self.worker_hosts}
+        server_hosts = {cluster.server_host(s) for s in range(cluster.servers)}
+        self.worker_hosts = _alike_worker_hosts(cluster, server_hosts)
+        hosts = server_hosts | {h for h, _ in self.worker_hosts}
         self.outbound = {h: _Direction() for h in hosts}
         self.inbound = {h: _Direction() for h in hosts}
         self.active: list[_Direction] = []  # the directions with a leg
@@ -204,8 +204,7 @@ def _alike_worker_hosts(cluster: Cluster, server_hosts: set[int]) -> list[tuple[
     """(host, workers on it) for one host of each kind: hosts without a
     server and with the same number of workers carry the same copies at the same times,
     so one of them stands for all (a 512-host cluster with dedicated servers is one)."""
-    kinds: dict[Any, list[int]] = {}
+    kinds: dict[Any, tuple[int, int]] = {}  # kind → its first host and that host's workers
     for host, count in cluster.workers_per_host().items():
-        kinds.setdefault(host if host in server_hosts else ("alike", count), []).append(host)
-    per_host = cluster.workers_per_host()
-    return [(hosts[0], per_host[hosts[0]]) for hosts in kinds.values()]
+        kinds.setdefault(host if host in server_hosts else ("alike", count), (host, count))
+    return list(kinds.values())

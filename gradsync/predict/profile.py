@@ -358,7 +358,7 @@ def _measure(request: ProfileRequest) -> Profile:
         if step == 0:
             layers = order.finish()
             clock.watch_layers(layers.modules)
-        clock.count_rows(params)
+        clock.measure_sparse_gradients(params)
         clock.time(lambda: updater.update(), "optimizer")
     from gradsync.probe import sparse_lookup_weights
 
@@ -446,7 +446,7 @@ class _StepClock:
     def end_backward(self) -> None:
         self._mark("backward", self._backward_start)
 
-    def count_rows(self, params: dict[str, Any]) -> None:
+    def measure_sparse_gradients(self, params: dict[str, Any]) -> None:
         """Rows each sparse gradient touches, and how long making it dense takes."""
         for name, param in params.items():
             if param.grad is not None and param.grad.is_sparse:

@@ -593,17 +593,17 @@ def _simulate_sync_ps(
     server_cpu = [_Pipe() for _ in range(cluster.servers)]
     backward_start = profile.forward_s
     shift = 0.0
-    pushes: list[tuple[float, _PushChunk]] = []  # (when it leaves, chunk), in that order
+    # Transfers start in time order (a heap); the links say when each is in.
+    starts: list[tuple[float, int, str, _PushChunk]] = []  # (when, tie, what, chunk)
+    tie = itertools.count()  # equal times: the order the starts were made in
     for _, group in itertools.groupby(
         sorted(chunks, key=lambda c: (c.ready_s, c.server)), lambda c: c.ready_s
     ):
         together = list(group)
         shift += sum(c.num_bytes for c in together) * profile.copy_s_per_byte  # into buffers
-        pushes += [(backward_start + together[0].ready_s + shift, c) for c in together]
-    # Transfers start in time order (a heap); the links say when each is in.
-    starts = [(when, i, "PUSH", chunk) for i, (when, chunk) in enumerate(pushes)]
+        leaves = backward_start + together[0].ready_s + shift
+        starts += [(leaves, next(tie), "PUSH", c) for c in together]
     heapq.heapify(starts)
-    tie = itertools.count(len(starts))  # equal times: the order the starts were made in
     began: dict[tuple[str, int, int], float] = {}
     done = 0.0
     while starts or links.busy:

@@ -140,18 +140,23 @@ def test_ps_pushes_a_chunk_as_soon_as_backward_completes_it() -> None:
     assert predict_step(costly, cluster, per_variable).step_s == pytest.approx(3.604)
 
 
+def two_servers_behind_one_link(workers: int) -> Cluster:
+    """``workers`` on host 0 and two servers on host 1, 1 MB/s each way."""
+    return Cluster(
+        workers=workers,
+        network=Network(bandwidth=1e6),
+        servers=2,
+        host_of_worker=(0,) * workers,
+        host_of_server=(1, 1),
+    )
+
+
 def test_pushes_that_leave_together_arrive_together() -> None:
     # Without overlap every chunk leaves after backward: two servers on host 1, two workers
     # on host 0. Host 0's link carries 2 × 2 MB each way at 1 MB/s: 4 s, then 4 s back; the
     # first server's answers cannot start before the second server's pushes are through.
     profile = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 2.0)])
-    cluster = Cluster(
-        workers=2,
-        network=Network(bandwidth=1e6),
-        servers=2,
-        host_of_worker=(0, 0),
-        host_of_server=(1, 1),
-    )
+    cluster = two_servers_behind_one_link(workers=2)
     choice = StrategyChoice("ps", PSOptions(servers=2, overlap=False))
     assert predict_step(profile, cluster, choice).step_s == pytest.approx(3.0 + 4.0 + 4.0)
 
@@ -162,13 +167,7 @@ def test_pushes_to_two_servers_share_the_link_instead_of_queueing() -> None:
     # connection) shares the link: b is in at 4.0, a at 4.5. The answers share the same
     # way: b's 4.0–5.5, a's 4.5–6.0. One queue (first come, first served) would say 5.5.
     profile = profile_of([variable("a", 250_000, 2.0), variable("b", 250_000, 1.5)])
-    cluster = Cluster(
-        workers=1,
-        network=Network(bandwidth=1e6),
-        servers=2,
-        host_of_worker=(0,),
-        host_of_server=(1, 1),
-    )
+    cluster = two_servers_behind_one_link(workers=1)
     choice = StrategyChoice("ps", PSOptions(servers=2, push_chunk_mb=0))
     step = predict_step(profile, cluster, choice)
     assert step.step_s == pytest.approx(6.0)
