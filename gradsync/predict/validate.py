@@ -229,7 +229,7 @@ def _repredict(plan: ValidationPlan, cell: dict[str, Any], out: Path) -> dict[st
     profile = Profile.load(cell["profile"])
     choice = parse_choice(cell["strategy"], plan.workers)
     bandwidth = cell["bandwidth"]
-    cluster = cluster_for(plan, choice, bandwidth, _calibration(plan, bandwidth, out))
+    cluster = cluster_for(plan, profile, choice, bandwidth, _calibration(plan, bandwidth, out))
     predicted = predict_step(profile, cluster, choice)
     cell = {**cell, "predicted": predicted.throughput, "predicted_step_s": predicted.step_s}
     if cell["status"] == "ok":
@@ -325,12 +325,15 @@ def _commbench(
 
 def cluster_for(
     plan: ValidationPlan,
+    profile: Profile,
     choice: StrategyChoice,
     bandwidth: str,
     calibration: Path | None = None,
 ) -> Cluster:
-    """The emulated cluster a cell runs on: ranks placed as ``gradsync train --hosts``
-    places them (workers first, then dedicated servers); its network fitted to
+    """The emulated cluster a cell of ``profile``'s model runs on: ranks placed as
+    ``gradsync train --hosts`` places them (workers first, then the dedicated servers the
+    strategy starts for this model: ``hybrid`` starts none for a model without sparse
+    variables); its network fitted to
     ``calibration`` (a commbench.json) when given: the ring's time, and the CPU cost of
     communication and the bidirectional slowdown of point-to-point transfers from it or
     from ``supplement/commbench.json`` beside it (measured for a calibration taken before
@@ -353,7 +356,12 @@ def cluster_for(
         if (calibration.parent / WIRE).is_file():
             network = calibrate_wire(network, calibration.parent / WIRE)
     config = TrainConfig(
-        workers=plan.workers, strategy=choice.name, strategy_options=choice.options
+        model=profile.model,
+        preset=profile.preset,
+        model_options=dict(profile.model_options),
+        workers=plan.workers,
+        strategy=choice.name,
+        strategy_options=choice.options,
     )
     servers = strategy_class(choice.name).num_server_ranks(config)
     hosts = place_ranks(plan.workers + servers, plan.hosts)
@@ -376,6 +384,7 @@ def _recommended(plan: ValidationPlan, profile: Profile, bandwidth: str, out: Pa
     placed = functools.partial(
         cluster_for,
         plan,
+        profile,
         bandwidth=bandwidth,
         calibration=_calibration(plan, bandwidth, out),
     )
@@ -396,7 +405,7 @@ def _run_cell(
     from gradsync.verify import cell_config
 
     choice = parse_choice(spec, plan.workers)
-    cluster = cluster_for(plan, choice, bandwidth, _calibration(plan, bandwidth, out))
+    cluster = cluster_for(plan, profile, choice, bandwidth, _calibration(plan, bandwidth, out))
     predicted = predict_step(profile, cluster, choice)
     base = TrainConfig(
         model=model.name,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,6 +112,11 @@ def test_prediction_work_grows_linearly_with_workers(monkeypatch: pytest.MonkeyP
     assert counts[256] <= 4 * counts[64] * 1.1
 
 
+def model_profile(model: str, **options: str) -> Any:
+    """A hand-made profile naming ``model`` (what ``cluster_for`` reads of it)."""
+    return dataclasses.replace(profile_of([]), model=model, preset="default", model_options=options)
+
+
 def test_validation_plan_places_ranks_as_the_launcher_does(tmp_path: Path) -> None:
     from gradsync.errors import UserError
     from gradsync.predict.sweep import parse_choice
@@ -120,11 +127,19 @@ def test_validation_plan_places_ranks_as_the_launcher_does(tmp_path: Path) -> No
         'strategies = ["ps", "ps:colocate"]\nbandwidths = ["1gbit"]\n[[model]]\nname = "vgg16"\n'
     )
     plan = load_plan(plan_file)
+    vgg = model_profile("vgg16")
     # 2 workers + 1 server on 2 hosts: ranks 0 and 1 share host 0, the server has host 1.
-    ps = cluster_for(plan, parse_choice("ps"), "1gbit")
+    ps = cluster_for(plan, vgg, parse_choice("ps"), "1gbit")
     assert [ps.worker_host(w) for w in range(2)] == [0, 0] and ps.server_host(0) == 1
-    colocated = cluster_for(plan, parse_choice("ps:colocate"), "1gbit")
+    colocated = cluster_for(plan, vgg, parse_choice("ps:colocate"), "1gbit")
     assert [colocated.server_host(s) for s in range(2)] == [0, 1]
+    # hybrid starts a server only for a model with sparse variables, and the launcher then
+    # places its 3 ranks as ps's.
+    dense = cluster_for(plan, vgg, parse_choice("hybrid"), "1gbit")
+    assert [dense.worker_host(w) for w in range(2)] == [0, 1]
+    lstm = model_profile("lstm-lm", sparse="true", vocab="1000")
+    sparse = cluster_for(plan, lstm, parse_choice("hybrid"), "1gbit")
+    assert [sparse.worker_host(w) for w in range(2)] == [0, 0] and sparse.server_host(0) == 1
     text = plan_file.read_text()
     for bad, words in (('colour = "blue"\n' + text, "unknown key 'colour'"),
                        (text + 'colour = "blue"\n', "'colour' in \\[\\[model\\]\\]")):  # fmt: skip
@@ -155,13 +170,13 @@ def test_a_calibrated_validation_fits_each_bandwidth_to_its_own_commbench(
         assert path is not None
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({"world_size": 2, "bandwidth": bandwidth, "results": rows}))
-        network = cluster_for(plan, parse_choice("ddp"), bandwidth, path).network
+        network = cluster_for(plan, model_profile("vgg16"), parse_choice("ddp"), bandwidth, path)
+        network = network.network
         assert network.efficiency == pytest.approx(share)
         assert network.message_s == pytest.approx(1e-3)
 
 
 def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> None:
-    import dataclasses
 
     path = tmp_path / "bn.json"
     profile = profile_of([variable("w", 1000, 2.0)])
@@ -257,7 +272,6 @@ def test_the_layers_the_profile_converts_compute_torchs_batchnorm() -> None:
 def test_predict_notes_a_profile_timed_with_other_batchnorm_layers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import dataclasses
 
     path = tmp_path / "bn.json"
     profile = profile_of([variable("w", 1000, 2.0)])
@@ -311,7 +325,8 @@ def test_a_validation_on_shared_cores_reads_cpu_and_duplex_from_the_supplement(
     sizes = (1 << 20, 1 << 24)
     ring = [{"op": "allreduce", "bytes": s, "time_s": 1e-3 + s / 1e8} for s in sizes]
     path.write_text(json.dumps({"world_size": 2, "bandwidth": "1gbit", "results": ring}))
-    before = cluster_for(plan, parse_choice("ps"), "1gbit", path)
+    vgg = model_profile("vgg16")
+    before = cluster_for(plan, vgg, parse_choice("ps"), "1gbit", path)
     assert before.shared_cores == 2
     assert before.network.cpu_s_per_byte == 0.0 and before.network.bidirectional_slowdown == 1.0
     rows = [{**r, "cpu_s": 2e-4 + 1e-9 * r["bytes"]} for r in ring] + [
@@ -319,7 +334,7 @@ def test_a_validation_on_shared_cores_reads_cpu_and_duplex_from_the_supplement(
     ]
     (path.parent / SUPPLEMENT).parent.mkdir()
     (path.parent / SUPPLEMENT).write_text(json.dumps({"world_size": 2, "results": rows}))
-    network = cluster_for(plan, parse_choice("ps"), "1gbit", path).network
+    network = cluster_for(plan, vgg, parse_choice("ps"), "1gbit", path).network
     assert network.message_s == before.network.message_s  # the ring's time: the calibration's
     assert network.cpu_s_per_byte == pytest.approx(1e-9)
     assert network.cpu_s_per_message == pytest.approx(1e-4)
