@@ -165,6 +165,48 @@ class Profile:
             ),
         )
 
+    def averaged_with(self, other: Profile) -> Profile:
+        """The mean of this profile and ``other``, a profile of the same model at the same
+        batch taken at another moment: every measured time halfway between the two.
+        Profiles taken just before and just after a measured run bracket it, so a machine
+        whose speed drifts during the run is seen as it was on average.
+
+        Example:
+            >>> # before.averaged_with(after).forward_s == (before.forward_s + after.forward_s) / 2
+        """
+        names = [(v.name, v.numel) for v in self.variables]
+        if [(v.name, v.numel) for v in other.variables] != names or len(other.layers) != len(
+            self.layers
+        ):
+            raise UserError(
+                f"cannot average profiles of different models ({self.model}, {other.model})"
+            )
+
+        def mean(a: float, b: float) -> float:
+            return (a + b) / 2
+
+        times = {
+            key: mean(getattr(self, key), getattr(other, key))
+            for key in (
+                "forward_s", "backward_s", "optimizer_s_per_byte", "copy_s_per_byte",
+                "aggregate_s_per_byte", "apply_s_per_byte", "server_round_s",
+            )
+        }  # fmt: skip
+        layers = tuple(
+            dataclasses.replace(a, forward_start_s=mean(a.forward_start_s, b.forward_start_s))
+            for a, b in zip(self.layers, other.layers, strict=True)
+        )
+        variables = tuple(
+            dataclasses.replace(
+                a,
+                grad_ready_s=mean(a.grad_ready_s, b.grad_ready_s),
+                rows_touched=mean(a.rows_touched, b.rows_touched),
+                densify_s=mean(a.densify_s, b.densify_s),
+            )
+            for a, b in zip(self.variables, other.variables, strict=True)
+        )
+        return dataclasses.replace(self, layers=layers, variables=variables, **times)
+
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=1)
 

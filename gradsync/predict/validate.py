@@ -21,8 +21,9 @@ The file is a grid::
     bandwidths = ["1gbit"]    # optional: this model at these only (default: the plan's)
 
 Every cell trains with ``gradsync train --hosts H --bandwidth B`` (its median samples/s
-after warm-up) and is predicted from a profile of the same model taken in this process at
-the cell's per-worker batch and thread count, on a cluster whose ranks sit on the hosts
+after warm-up) and is predicted from the profiles of the same model taken in this process
+just before and just after it (averaged) at the cell's per-worker batch and thread count,
+on a cluster whose ranks sit on the hosts
 :func:`gradsync.netem.place_ranks` puts them on. Results are appended to
 ``cells.jsonl`` as they come (a rerun skips cells already measured), then summarized in
 ``validation.md`` / ``validation.json``: per cell the error ``(predicted − measured) /
@@ -190,43 +191,69 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
 
     Cells run model by model (in the file's order), every bandwidth and strategy of a
     model before the next, so an interrupted run has every strategy of the first models.
-    Each cell is predicted from a profile taken just before it, with ``workers`` ranks
-    computing at once (:class:`ProfileRequest` ``concurrent``), so the profile shares the
-    cores as the run's ranks do and sees the machine's load of that moment. Predictions
-    are recomputed from the stored profiles when summarizing, so a summary always reflects
-    the current simulator.
+    Each cell is predicted from the mean of the profiles taken just before and just after
+    it (the one after is the next cell's before), with ``workers`` ranks computing at once
+    (:class:`ProfileRequest` ``concurrent``), so the profiles share the cores as the run's
+    ranks do and bracket the machine's speed during the run. Predictions are recomputed
+    from the stored profiles when summarizing, so a summary always reflects the current
+    simulator.
     """
     out.mkdir(parents=True, exist_ok=True)
     log = out / "cells.jsonl"
     done = {c["id"]: c for c in _read_cells(log)}
     for model in plan.models:
         for bandwidth in plan.bandwidths_of(model):
+            specs = list(plan.strategies)
+            if not plan.recommend and all(_cell_id(model, s, bandwidth) in done for s in specs):
+                continue
             if plan.calibrate is True:
                 _measure_calibration(plan, bandwidth, out)
-            specs = list(plan.strategies)
+            # The first profile: for the recommendation and the first cell; a resumed run
+            # keeps it (measured cells were predicted from it) and profiles afresh.
+            group = out / "profiles" / f"{model.name}-{bandwidth}.json"
+            fresh = not group.is_file()
+            profile = _profile(plan, model, group) if fresh else Profile.load(group)
             if plan.recommend:
-                profile = _profile(plan, model, out / "profiles" / f"{model.name}-{bandwidth}")
                 specs.append(_recommended(plan, profile, bandwidth, out))
+            before: Path | None = group if fresh else None
             for spec in dict.fromkeys(specs):
-                cell_id = f"{model.label}|{spec}|{bandwidth}"
+                cell_id = _cell_id(model, spec, bandwidth)
                 if cell_id in done:
                     continue
                 label = spec.replace(":", "-").replace("=", "")
-                where = out / "profiles" / f"{model.name}-{bandwidth}-{label}"
-                profile = _profile(plan, model, where)
+                if before is None:
+                    before = out / "profiles" / f"{model.name}-{bandwidth}-{label}-before.json"
+                    profile = _profile(plan, model, before)
+                after = out / "profiles" / f"{model.name}-{bandwidth}-{label}.json"
                 cell = _run_cell(plan, model, profile, spec, bandwidth, out)
-                cell.update(id=cell_id, profile=str(where.with_suffix(".json")))
+                profile = _profile(plan, model, after)  # and the next cell's before
+                cell.update(id=cell_id, profile=str(before), profile_after=str(after))
                 done[cell_id] = cell
                 with log.open("a") as handle:
                     handle.write(json.dumps(cell) + "\n")
                 print(_cell_line(cell), flush=True)
+                before = after
     cells = [_repredict(plan, c, out) for c in done.values()]
     return summarize(cells, out, plan)
 
 
-def _repredict(plan: ValidationPlan, cell: dict[str, Any], out: Path) -> dict[str, Any]:
-    """``cell`` with its prediction recomputed from its stored profile."""
+def _cell_id(model: ModelEntry, spec: str, bandwidth: str) -> str:
+    return f"{model.label}|{spec}|{bandwidth}"
+
+
+def _cell_profile(cell: dict[str, Any]) -> Profile:
+    """The profile a cell is predicted from: the mean of those taken just before and just
+    after it (``profile``, ``profile_after``), or the one before (runs that took no
+    other)."""
     profile = Profile.load(cell["profile"])
+    if "profile_after" in cell:
+        profile = profile.averaged_with(Profile.load(cell["profile_after"]))
+    return profile
+
+
+def _repredict(plan: ValidationPlan, cell: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``cell`` with its prediction recomputed from its stored profiles."""
+    profile = _cell_profile(cell)
     choice = parse_choice(cell["strategy"], plan.workers)
     bandwidth = cell["bandwidth"]
     cluster = cluster_for(plan, profile, choice, bandwidth, _calibration(plan, bandwidth, out))
@@ -245,7 +272,7 @@ def _read_cells(log: Path) -> list[dict[str, Any]]:
 
 def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:
     """A fresh profile of ``model`` at the cells' per-worker batch, ``workers`` ranks
-    computing at once; saved as ``where``.json."""
+    computing at once; saved as ``where``."""
     profile = measure_profile(
         ProfileRequest(
             model=model.name,
@@ -259,7 +286,7 @@ def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:
             batchnorm=TrainConfig.batchnorm,  # the cells train with the default
         )
     )
-    profile.save(where.with_suffix(".json"))
+    profile.save(where)
     return profile
 
 

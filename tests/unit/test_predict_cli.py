@@ -362,3 +362,62 @@ def test_predict_shared_cores_charges_communication_cpu(tmp_path: Path) -> None:
     plain = steps[0]["points"][0]["step_s"]
     shared = steps[2]["points"][0]["step_s"]
     assert shared == pytest.approx(plain + (250_000 + 1) * 4 * 1e-7)  # 2·S bytes, 2 cores
+
+
+def test_averaging_two_profiles_halves_every_time_between_them() -> None:
+    from gradsync.errors import UserError
+
+    slow = profile_of([variable("w", 1000, 2.0)], forward=1.0, backward=2.0)
+    fast = profile_of([variable("w", 1000, 1.0)], forward=3.0, backward=4.0)
+    mean = slow.averaged_with(fast)
+    assert (mean.forward_s, mean.backward_s, mean.variables[0].grad_ready_s) == (2.0, 3.0, 1.5)
+    with pytest.raises(UserError, match="different models"):
+        slow.averaged_with(profile_of([variable("v", 1000, 1.0)]))
+
+
+def test_each_validation_cell_is_predicted_from_profiles_either_side_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Profile, cell, profile, cell, profile: the profile after a cell is the next one's
+    before, so a machine that slows down during the run is bracketed, not sampled once."""
+    from gradsync.predict import validate
+    from gradsync.predict.simulate import StrategyChoice, predict_step
+
+    forwards = iter([1.0, 3.0, 5.0, 7.0, 9.0])
+
+    def fake_profile(plan: Any, model: Any, where: Path) -> Profile:
+        profile = dataclasses.replace(
+            profile_of([variable("w", 1000, 0.5)], forward=next(forwards)), model="vgg16"
+        )
+        profile.save(where)
+        return profile
+
+    def fake_cell(plan: Any, model: Any, profile: Profile, spec: str, bandwidth: str, out: Path):
+        return {"model": model.label, "strategy": spec, "bandwidth": bandwidth, "workers": 2,
+                "status": "ok", "measured": 1.0, "predicted": 1.0, "error": 0.0,
+                "load_before": 0.0}  # fmt: skip
+
+    monkeypatch.setattr(validate, "_profile", fake_profile)
+    monkeypatch.setattr(validate, "_run_cell", fake_cell)
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text('strategies = ["ddp", "allreduce"]\nbandwidths = ["1gbit"]\n'
+                         '[[model]]\nname = "vgg16"\n')  # fmt: skip
+    plan = validate.load_plan(plan_file)
+    summary = validate.run_validation(plan, tmp_path / "run")
+    cells = {c["strategy"]: c for c in summary["cells"]}
+    assert Profile.load(cells["allreduce"]["profile"]).forward_s == 3.0  # ddp's after
+    assert Profile.load(cells["allreduce"]["profile_after"]).forward_s == 5.0
+    cluster = validate.cluster_for(plan, Profile.load(cells["ddp"]["profile"]),
+                                   StrategyChoice("ddp"), "1gbit")  # fmt: skip
+    bracketed = dataclasses.replace(
+        profile_of([variable("w", 1000, 0.5)], forward=2.0), model="vgg16"
+    )
+    expected = predict_step(bracketed, cluster, StrategyChoice("ddp")).throughput
+    assert cells["ddp"]["predicted"] == pytest.approx(expected)
+    # A resumed run keeps the measured cells' profiles and profiles afresh before the next.
+    log = tmp_path / "run" / "cells.jsonl"
+    log.write_text(log.read_text().splitlines()[0] + "\n")
+    summary = validate.run_validation(plan, tmp_path / "run")
+    resumed = {c["strategy"]: c for c in summary["cells"]}["allreduce"]
+    assert resumed["profile"].endswith("vgg16-1gbit-allreduce-before.json")
+    assert Profile.load(cells["ddp"]["profile"]).forward_s == 1.0
