@@ -305,22 +305,27 @@ def _operation(
 
 def _timed_between_compute(
     run: Callable[[], None], iters: int, busy_s: float
-) -> tuple[float, float]:
-    """Wall and CPU seconds of ``iters`` calls of ``run``, each after ``busy_s`` of matrix
-    products that are not counted (the CPU clock counts every thread of the process)."""
+) -> tuple[float, float, float]:
+    """Wall, CPU and Python-thread CPU seconds of ``iters`` calls of ``run``, each after
+    ``busy_s`` of matrix products that are not counted. The process's CPU clock counts
+    every thread, during the calls; the Python threads' count the other Python threads
+    (the transport's receivers and senders) over the whole loop, as their work may fall
+    during the compute, and this thread's during the calls."""
     import torch
 
     block = torch.ones(64, 64)
-    wall = cpu = 0.0
+    wall = cpu = own = 0.0
+    others_start = python_threads_cpu_s(include_current=False)
     for _ in range(iters):
         busy_until = time.perf_counter() + busy_s
         while time.perf_counter() < busy_until:
             torch.mm(block, block)
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, own_start = time.perf_counter(), time.process_time(), time.thread_time()
         run()
         wall += time.perf_counter() - start
         cpu += time.process_time() - cpu_start
-    return wall, cpu
+        own += time.thread_time() - own_start
+    return wall, cpu, own + python_threads_cpu_s(include_current=False) - others_start
 
 
 def _over_ranks(seconds: float, reduce: Literal["max", "mean"]) -> float:
@@ -369,7 +374,7 @@ def _measure(
         run()
     dist.barrier()
     if busy_s > 0:
-        wall, cpu = _timed_between_compute(run, iters, busy_s)
+        wall, cpu, python = _timed_between_compute(run, iters, busy_s)
     else:
         python_start = python_threads_cpu_s() if op == "wire" else 0.0
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -382,7 +387,7 @@ def _measure(
     factor = busbw_factor(op, env.world_size)
     algbw = moved / seconds
     extra = {}
-    if op == "wire" and not busy_s:  # what of it runs under the interpreter's lock
+    if op == "wire":  # what of it runs under the interpreter's lock
         extra["python_cpu_s"] = _over_ranks(python / iters, "mean")
     return {
         "op": op,
@@ -400,10 +405,11 @@ def _measure(
     }
 
 
-def python_threads_cpu_s() -> float:
+def python_threads_cpu_s(*, include_current: bool = True) -> float:
     """CPU seconds (user + system) of this process's Python threads so far: the threads
     that take turns under the interpreter's lock, without the transport's native threads
-    (Gloo's event loops). 0 where the OS does not say (no ``/proc``).
+    (Gloo's event loops); without the calling thread unless ``include_current``. 0 where
+    the OS does not say (no ``/proc``).
 
     Example:
         >>> python_threads_cpu_s() >= 0.0
@@ -414,6 +420,8 @@ def python_threads_cpu_s() -> float:
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     total = 0
     for thread in threading.enumerate():
+        if not include_current and thread is threading.current_thread():
+            continue
         try:
             fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
         except OSError:

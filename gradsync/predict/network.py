@@ -380,6 +380,14 @@ def _idle_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in payload["results"] if not r.get("busy_s")]
 
 
+def _busiest_rows(payload: dict[str, Any], op: str) -> list[dict[str, Any]]:
+    """The rows of ``op`` measured with the longest ``--busy-ms`` compute between calls;
+    none if it was measured between idle ranks only."""
+    busy = [r for r in payload["results"] if r["op"] == op and r.get("busy_s")]
+    longest = max((r["busy_s"] for r in busy), default=None)
+    return [r for r in busy if r["busy_s"] == longest]
+
+
 def calibrate_sync(network: Network, commbench_path: str | Path) -> Network:
     """``network`` with :attr:`Network.sync_message_s` measured by ``gradsync commbench
     --ops allreduce --busy-ms 0.5,1,2,4``: at each compute-between-calls value, the
@@ -493,7 +501,10 @@ def calibrate_wire(network: Network, commbench_path: str | Path) -> Network:
     CPU time (every rank's process, receiver threads included) ``c = a' + b'·S`` gives
     ``b' / 2`` per byte moved (S each way) and ``a' / 4`` per message (a header and a
     payload each way); a rank's Python threads' CPU time (``python_cpu_s``, a receive and a
-    send each) is the serial cost line itself. Lines as :func:`calibrate` fits them.
+    send each) is the serial cost line itself. Lines as :func:`calibrate` fits them. Where
+    the file also holds echoes between ranks that compute between them (``--busy-ms``),
+    the serial line is theirs (the longest compute's): a job's transport threads take
+    their turns while the training threads compute, which makes each turn dearer.
 
     Example:
         >>> # calibrate_wire(Network(bandwidth=125e6), "wire/commbench.json").wire_hop_s
@@ -506,7 +517,11 @@ def calibrate_wire(network: Network, commbench_path: str | Path) -> Network:
         times = [(r["bytes"], r["time_s"]) for r in rows]
         cpus = [(r["bytes"], ranks * r["cpu_s"]) for r in rows]  # mean per rank → job
         # The echo's two ranks; the others, if any, wait and count for nothing.
-        serial = [(r["bytes"], ranks / 2 * r["python_cpu_s"]) for r in rows if "python_cpu_s" in r]
+        serial = [
+            (r["bytes"], ranks / 2 * r["python_cpu_s"])
+            for r in _busiest_rows(payload, "wire") or rows
+            if "python_cpu_s" in r
+        ]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"{path}: not a commbench.json ({error})") from None
     if len(rows) < 2:

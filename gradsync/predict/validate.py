@@ -87,6 +87,8 @@ SYNC_BUSY_MS = (0.5, 1.0, 2.0, 4.0)
 # hybrid and p3 messages cost, at the sizes of a row pull, a p3 slice, a bundle, a ps chunk.
 WIRE = Path("wire") / "commbench.json"
 WIRE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+# The echo also between ranks that compute this long between messages, as a job's do.
+WIRE_BUSY_MS = (0.0, 5.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,14 +305,17 @@ def _measure_calibration(plan: ValidationPlan, bandwidth: str, out: Path) -> Non
     the link, the CPU time of communication, and how much slower transfers both ways at
     once are. Beside it, a 4 KB allreduce between ranks computing :data:`SYNC_BUSY_MS`
     between calls (:func:`calibrate_sync`), and a push and its answer through the server
-    transport at :data:`WIRE_SIZES` (:func:`calibrate_wire`)."""
+    transport at :data:`WIRE_SIZES`, between idle ranks and between ranks that compute
+    between messages (:func:`calibrate_wire`)."""
     path = _calibration(plan, bandwidth, out)
     assert path is not None
     if not (path.parent / SYNC).is_file():
         _commbench(plan, bandwidth, path.parent / SYNC, ("allreduce",), (4 << 10,), SYNC_BUSY_MS)
         print(f"blocking collectives between busy ranks at {bandwidth}: {path}", flush=True)
     if not (path.parent / WIRE).is_file():
-        _commbench(plan, bandwidth, path.parent / WIRE, ("wire",), WIRE_SIZES, iters=1000)
+        _commbench(
+            plan, bandwidth, path.parent / WIRE, ("wire",), WIRE_SIZES, WIRE_BUSY_MS, iters=1000
+        )
         print(f"the server transport at {bandwidth}: {path.parent / WIRE}", flush=True)
     if not path.is_file():
         _commbench(plan, bandwidth, path, ("allreduce", "p2p", "exchange"), CALIBRATION_SIZES)
