@@ -25,7 +25,8 @@ to Gloo). ``wire`` (on request) is not a collective: it is a push and its answer
 server transport that ``ps``, ``hybrid`` and ``p3`` use (:mod:`gradsync.comm.echo`), header,
 receiver threads and all. Every row also has ``cpu_s``: the ranks' mean
 process CPU time (every thread, user and system) per operation, what moving the bytes costs
-the CPU.
+the CPU (with ``--busy-ms``: over the whole loop, less the calling thread's compute, so
+work done by other threads while it computes counts).
 
 Ranks are started by the usual launcher (:func:`gradsync.launch.launch_local`) with a job of
 ``kind = "commbench"``; they run on loopback or on emulated hosts (``--hosts``).
@@ -307,24 +308,28 @@ def _timed_between_compute(
     run: Callable[[], None], iters: int, busy_s: float
 ) -> tuple[float, float, float]:
     """Wall, CPU and Python-thread CPU seconds of ``iters`` calls of ``run``, each after
-    ``busy_s`` of matrix products that are not counted. The process's CPU clock counts
-    every thread, during the calls; the Python threads' count the other Python threads
-    (the transport's receivers and senders) over the whole loop, as their work may fall
-    during the compute, and this thread's during the calls."""
+    ``busy_s`` of matrix products (on this thread: one intra-op thread) that are not
+    counted. The transport's work may fall during the compute (a receiver thread taking an
+    answer, Gloo's loop sending a payload), so both CPU clocks run over the whole loop and
+    leave out only this thread's own time outside the calls: the process's counts every
+    other thread, the Python threads' the other Python threads (the transport's receivers
+    and senders)."""
     import torch
 
     block = torch.ones(64, 64)
-    wall = cpu = own = 0.0
+    wall = own = 0.0
+    process_start, thread_start = time.process_time(), time.thread_time()
     others_start = python_threads_cpu_s(include_current=False)
     for _ in range(iters):
         busy_until = time.perf_counter() + busy_s
         while time.perf_counter() < busy_until:
             torch.mm(block, block)
-        start, cpu_start, own_start = time.perf_counter(), time.process_time(), time.thread_time()
+        start, own_start = time.perf_counter(), time.thread_time()
         run()
         wall += time.perf_counter() - start
-        cpu += time.process_time() - cpu_start
         own += time.thread_time() - own_start
+    computing = time.thread_time() - thread_start - own
+    cpu = time.process_time() - process_start - computing
     return wall, cpu, own + python_threads_cpu_s(include_current=False) - others_start
 
 

@@ -260,7 +260,10 @@ class Cluster:
     emulated hosts uses :func:`gradsync.netem.place_ranks`). ``shared_cores``: every
     host's ranks run on the same this many CPU cores (hosts emulated on one machine), so
     communication's and servers' CPU time that overlaps compute lengthens it; None (a real
-    cluster): communication and servers cost the workers no compute.
+    cluster): communication and servers cost the workers no compute. ``server_overlap``:
+    the share of the servers' work that falls while the workers compute (found by
+    :func:`~gradsync.predict.simulate.predict_step` on shared cores): that work runs at a
+    server's share of the cores (:attr:`server_slowdown`).
     """
 
     workers: int
@@ -271,9 +274,32 @@ class Cluster:
     host_of_worker: tuple[int, ...] | None = None
     host_of_server: tuple[int, ...] | None = None
     shared_cores: int | None = None
+    server_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         check_shared_cores(self.shared_cores, "shared_cores")
+        if not 0.0 <= self.server_overlap <= 1.0:
+            raise UserError(f"server_overlap must be in [0, 1], got {self.server_overlap}")
+
+    @property
+    def server_slowdown(self) -> float:
+        """How many times its CPU time a server's work takes on shared cores: while the
+        workers compute, the workers and the servers (processes or threads) share the
+        cores evenly, so the :attr:`server_overlap` share of the work runs at
+        ``cores / (workers + servers)`` of a core where that is under 1.
+
+        Example:
+            >>> net = Network(bandwidth=1e9)
+            >>> Cluster(workers=2, network=net, servers=1, shared_cores=2,
+            ...         server_overlap=1.0).server_slowdown
+            1.5
+            >>> Cluster(workers=2, network=net, servers=1).server_slowdown  # a real cluster
+            1.0
+        """
+        if self.shared_cores is None or not self.servers:
+            return 1.0
+        runnable = (self.workers + self.servers) / self.shared_cores
+        return 1.0 + self.server_overlap * max(0.0, runnable - 1.0)
 
     def with_servers(self, servers: int, *, colocate: bool = False) -> Cluster:
         """The same hosts with another server layout (explicit server hosts dropped)."""
@@ -344,19 +370,7 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     BatchNorm sync) would cost nothing.
     """
     path = Path(commbench_path)
-    try:
-        payload: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce"]
-        n = int(payload["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(
-            f"--calibrate {path}: not a commbench.json ({error}); run `gradsync commbench "
-            "--hosts 2 --bandwidth RATE --ops allreduce` and pass its commbench.json"
-        ) from None
-    if len(rows) < 2 or n < 2:
-        raise UserError(
-            f"--calibrate {path}: needs allreduce times at two or more sizes on 2+ ranks"
-        )
+    payload, rows, n = _ring_rows(path)
     slope, intercept = _two_regime_line([(r["bytes"], r["time_s"]) for r in rows])
     hop = max(0.0, intercept) / (2 * (n - 1))
     efficiency = network.efficiency
@@ -373,6 +387,41 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
         network = calibrate_wire(network, path)
     pair = int(payload.get("world_size", 0)) == 2  # exchange over p2p means one pair's links
     return calibrate_duplex(network, path) if pair and {"p2p", "exchange"} <= ops else network
+
+
+def _ring_rows(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    """A commbench.json's payload, its allreduce rows between idle ranks (two sizes at
+    least) and its number of ranks (2 at least); any problem is a UserError."""
+    try:
+        payload: dict[str, Any] = json.loads(path.read_text())
+        rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce"]
+        n = int(payload["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(
+            f"--calibrate {path}: not a commbench.json ({error}); run `gradsync commbench "
+            "--hosts 2 --bandwidth RATE --ops allreduce` and pass its commbench.json"
+        ) from None
+    if len(rows) < 2 or n < 2:
+        raise UserError(
+            f"--calibrate {path}: needs allreduce times at two or more sizes on 2+ ranks"
+        )
+    return payload, rows, n
+
+
+def ring_rate(commbench_path: str | Path) -> float:
+    """Bytes per second a link carried each way in a commbench run's ring allreduce (its
+    slope between the two largest sizes, as :func:`calibrate` fits it): the rate of links
+    that nothing shaped, where the hosts' CPUs and the kernel decide it.
+
+    Example:
+        >>> # Network(bandwidth=ring_rate("calibration/unshaped/commbench.json"))
+    """
+    path = Path(commbench_path)
+    _, rows, n = _ring_rows(path)
+    slope, _ = _two_regime_line([(r["bytes"], r["time_s"]) for r in rows])
+    if slope <= 0:
+        raise UserError(f"{path}: the allreduce times do not grow with size; measure again")
+    return 2 * (n - 1) / n / slope
 
 
 def _idle_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -503,8 +552,10 @@ def calibrate_wire(network: Network, commbench_path: str | Path) -> Network:
     payload each way); a rank's Python threads' CPU time (``python_cpu_s``, a receive and a
     send each) is the serial cost line itself. Lines as :func:`calibrate` fits them. Where
     the file also holds echoes between ranks that compute between them (``--busy-ms``),
-    the serial line is theirs (the longest compute's): a job's transport threads take
-    their turns while the training threads compute, which makes each turn dearer.
+    the CPU and serial lines are theirs (the longest compute's): a job's transport threads
+    take their turns while the training threads compute, which makes each turn dearer. The
+    per-message time stays the idle echo's (a busy round trip also waits for the slower
+    rank's compute).
 
     Example:
         >>> # calibrate_wire(Network(bandwidth=125e6), "wire/commbench.json").wire_hop_s
@@ -513,13 +564,14 @@ def calibrate_wire(network: Network, commbench_path: str | Path) -> Network:
     try:
         payload: dict[str, Any] = json.loads(path.read_text())
         rows = [r for r in _idle_rows(payload) if r["op"] == "wire"]
+        busiest = _busiest_rows(payload, "wire")
         ranks = int(payload["world_size"])
         times = [(r["bytes"], r["time_s"]) for r in rows]
-        cpus = [(r["bytes"], ranks * r["cpu_s"]) for r in rows]  # mean per rank → job
+        cpus = [(r["bytes"], ranks * r["cpu_s"]) for r in busiest or rows]  # per rank → job
         # The echo's two ranks; the others, if any, wait and count for nothing.
         serial = [
             (r["bytes"], ranks / 2 * r["python_cpu_s"])
-            for r in _busiest_rows(payload, "wire") or rows
+            for r in busiest or rows
             if "python_cpu_s" in r
         ]
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -566,4 +618,5 @@ __all__ = [
     "calibrate_wire",
     "parse_bandwidth",
     "parse_latency",
+    "ring_rate",
 ]

@@ -68,7 +68,8 @@ class Span:
     """One predicted activity on a track, seconds from the step's start. A communication
     span also says what it moves over the whole job (``num_bytes`` sent between ranks,
     ``messages``; ``wire``: through the server transport, not a collective): the CPU work
-    it costs where hosts share cores."""
+    it costs where hosts share cores. A server span's ``cpu_s`` is its CPU time where that
+    is less than its duration (a server on shared cores; None: the duration)."""
 
     track: str
     name: str
@@ -77,6 +78,7 @@ class Span:
     num_bytes: float = 0.0
     messages: int = 0
     wire: bool = False
+    cpu_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -158,21 +160,62 @@ SHARED_CORE_ROUNDS = 20  # fixed-point rounds of the shared-core stretch (it con
 def _on_shared_cores(
     profile: Profile, cluster: Cluster, simulator: Any, options: Any
 ) -> tuple[float, list[Span], float]:
-    """Simulate with backward lengthened by the CPU work that overlaps compute.
+    """Simulate with backward lengthened by the CPU work that overlaps compute, and the
+    servers' work that overlaps it slowed to their share of the cores.
 
-    The stretch depends on the schedule it changes, so it is found by iteration: simulate
-    with backward longer by the previous round's stretch, measure the new one
-    (:func:`shared_core_stretch`), until it settles.
+    Both depend on the schedule they change, so they are found by iteration: simulate with
+    the previous round's stretch and server overlap, measure them anew
+    (:func:`shared_core_stretch`, :func:`server_overlap`), until they settle.
     """
-    extra = 0.0
+    extra, overlap = 0.0, 0.0
     result = simulator(profile, cluster, options)
     for _ in range(SHARED_CORE_ROUNDS):
+        new_overlap = server_overlap(result[1])
         new = shared_core_stretch(result[1], cluster)
-        if abs(new - extra) < 1e-9:
+        if abs(new - extra) < 1e-9 and abs(new_overlap - overlap) < 1e-6:
             break
-        extra = new
-        result = simulator(_lengthen_backward(profile, extra), cluster, options)
+        extra, overlap = new, new_overlap
+        slowed = replace(cluster, server_overlap=overlap)
+        result = simulator(_lengthen_backward(profile, extra), slowed, options)
     return result
+
+
+def _compute_intervals(spans: list[Span] | tuple[Span, ...]) -> list[tuple[float, float]]:
+    """(start, end) of the worker's forward and backward spans."""
+    return [  # p3 names its forward per layer: "FORWARD layer3"
+        (s.start, s.start + s.duration)
+        for s in spans
+        if s.track == COMPUTE_TRACK and s.name.split(" ")[0] in ("FORWARD", "BACKWARD")
+    ]
+
+
+def _overlap_s(span: Span, intervals: list[tuple[float, float]]) -> float:
+    return sum(
+        max(0.0, min(end, span.start + span.duration) - max(begin, span.start))
+        for begin, end in intervals
+    )
+
+
+def _server_cpu_s(span: Span) -> float:
+    return span.duration if span.cpu_s is None else span.cpu_s
+
+
+def server_overlap(spans: list[Span] | tuple[Span, ...]) -> float:
+    """The share of the servers' CPU work (their spans) that falls while the worker
+    computes; 0 without server spans.
+
+    Example:
+        >>> spans = [Span("compute", "BACKWARD", 0.0, 1.0), Span("server 0", "APPLY", 0.5, 1.0)]
+        >>> server_overlap(spans)
+        0.5
+    """
+    compute = _compute_intervals(spans)
+    servers = [s for s in spans if s.track not in (COMPUTE_TRACK, COMM_TRACK) and s.duration > 0]
+    total = sum(_server_cpu_s(s) for s in servers)
+    if not total:
+        return 0.0
+    overlapping = sum(_server_cpu_s(s) * _overlap_s(s, compute) / s.duration for s in servers)
+    return min(1.0, overlapping / total)
 
 
 def _stretch_factor(seconds: float, extra_s: float) -> float:
@@ -243,11 +286,7 @@ def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) 
     cores = cluster.shared_cores
     if cores is None:
         return 0.0
-    compute = [  # p3 names its forward per layer: "FORWARD layer3"
-        (s.start, s.start + s.duration)
-        for s in spans
-        if s.track == COMPUTE_TRACK and s.name.split(" ")[0] in ("FORWARD", "BACKWARD")
-    ]
+    compute = _compute_intervals(spans)
     if not compute:
         return 0.0
     net = cluster.network
@@ -258,12 +297,8 @@ def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) 
         if span.track == COMM_TRACK:
             cpu = net.cpu_s(span.num_bytes, span.messages, wire=span.wire)
         else:  # a server's aggregation and update
-            cpu = span.duration
-        overlap = sum(
-            max(0.0, min(end, span.start + span.duration) - max(begin, span.start))
-            for begin, end in compute
-        )
-        work += cpu * overlap / span.duration
+            cpu = _server_cpu_s(span)
+        work += cpu * _overlap_s(span, compute) / span.duration
     busy = sum(end - begin for begin, end in compute)
     idle = max(0, cores - cluster.workers) * busy
     return max(0.0, work - idle) / cores
@@ -617,9 +652,10 @@ def _simulate_sync_ps(
                 continue
             work = chunk.num_bytes * per_byte_apply + profile.server_round_s
             work += cluster.remote_workers(chunk.server) * cluster.network.serial_s(chunk.num_bytes)
-            applied = server_cpu[chunk.server].hold(now, work)
+            wall = work * cluster.server_slowdown
+            applied = server_cpu[chunk.server].hold(now, wall)
             name = f"AGGREGATE_APPLY server {chunk.server} chunk {chunk.index}"
-            spans.append(Span(SERVER_TRACK, name, applied - work, work))
+            spans.append(Span(SERVER_TRACK, name, applied - wall, wall, cpu_s=work))
             heapq.heappush(starts, (applied, next(tie), "PULL", chunk))
         while starts and starts[0][0] <= now:
             _, _, what, chunk = heapq.heappop(starts)
@@ -760,10 +796,11 @@ def simulate_hybrid(
     # next forward's one pull waits for the dense update and for the servers' apply.
     backward = next(s for s in spans if s.name == "BACKWARD")
     pushed = backward.start + backward.duration + push
-    pull_start = max(end, pushed + apply)
+    applying = apply * cluster.server_slowdown
+    pull_start = max(end, pushed + applying)
     spans += [
         Span(COMM_TRACK, "SPARSE_PUSH", pushed - push, push),
-        Span(SERVER_TRACK, "SPARSE_APPLY", pushed, apply),
+        Span(SERVER_TRACK, "SPARSE_APPLY", pushed, applying, cpu_s=apply),
         Span(COMM_TRACK, "SPARSE_PULL", pull_start, pull),
     ]
     return pull_start + pull, spans, moved + push_bytes + pull_bytes
@@ -912,6 +949,7 @@ class _P3Path:
         self.per_byte_apply = (
             profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
         )
+        self.slowdown = cluster.server_slowdown
 
     def push(self, now: float, bundle: _Bundle) -> float:
         """Send ``bundle`` from every worker at ``now``; return when it is in."""
@@ -943,15 +981,17 @@ class _P3Path:
         Return when each slice is back at the worker."""
         s, net, remote = bundle.server, self.net, self.remote[bundle.server]
         # Taking the message in: the server's Python half of a receive, in turn with applies.
-        ready = self.server_cpu[s].hold(pushed, remote * net.serial_s(bundle.num_bytes) / 2)
+        taking = remote * net.serial_s(bundle.num_bytes) / 2
+        ready = self.server_cpu[s].hold(pushed, taking * self.slowdown)
         backs: list[float] = []
         waiting: list[_SliceJob] = []
         for job in bundle.jobs:
             work = job.num_bytes * self.per_byte_apply + self.profile.server_round_s
             work += remote * net.serial_s(job.num_bytes) / 2  # the answer's send
-            applied = self.server_cpu[s].hold(ready, work)
+            wall = work * self.slowdown
+            applied = self.server_cpu[s].hold(ready, wall)
             name = f"AGGREGATE_APPLY layer{job.layer}"
-            spans.append(Span(SERVER_TRACK, name, applied - work, work))
+            spans.append(Span(SERVER_TRACK, name, applied - wall, wall, cpu_s=work))
             # The answers waiting leave when the link frees; this one joins them if it is
             # applied by then and the message has room.
             if waiting and (

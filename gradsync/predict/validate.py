@@ -5,7 +5,7 @@ The file is a grid::
 
     name = "predict-validation"
     strategies = ["ddp", "allreduce", "ps", "ps:servers=2", "ps:colocate", "hybrid", "p3"]
-    bandwidths = ["100mbit", "1gbit"]
+    bandwidths = ["100mbit", "1gbit", "unshaped"]  # unshaped: links at the cores' speed
     workers = 2
     hosts = 2
     steps = 12
@@ -54,6 +54,7 @@ from gradsync.predict.network import (
     calibrate_wire,
     check_shared_cores,
     parse_bandwidth,
+    ring_rate,
 )
 from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
 from gradsync.predict.simulate import StrategyChoice, predict_step
@@ -89,6 +90,9 @@ WIRE = Path("wire") / "commbench.json"
 WIRE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # The echo also between ranks that compute this long between messages, as a job's do.
 WIRE_BUSY_MS = (0.0, 5.0)
+# A bandwidth entry: emulated hosts whose links nothing shapes (the veth pairs run as fast
+# as the cores move bytes); the network model takes the rate the calibration's ring measured.
+UNSHAPED = "unshaped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,8 +177,24 @@ def load_plan(path: str | Path) -> ValidationPlan:
     for spec in plan.strategies:
         parse_choice(spec, plan.workers)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
-        parse_bandwidth(bandwidth)
+        if bandwidth != UNSHAPED:
+            parse_bandwidth(bandwidth)
+        elif plan.calibrate is False:
+            raise UserError(
+                f"{path}: bandwidth '{UNSHAPED}' takes its rate from a calibration; "
+                "write calibrate = true"
+            )
     return plan
+
+
+def shaped_rate(bandwidth: str) -> str | None:
+    """The ``--bandwidth`` a cell's emulated hosts are shaped to: None for ``unshaped``.
+
+    Example:
+        >>> shaped_rate("1gbit"), shaped_rate(UNSHAPED)
+        ('1gbit', None)
+    """
+    return None if bandwidth == UNSHAPED else bandwidth
 
 
 def _check_calibrate(value: object, path: Path) -> None:
@@ -350,7 +370,9 @@ def _commbench(
         iters=iters,
         time_budget_s=2.0,
         out=str(path.parent),
-        launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
+        launch=LaunchConfig(
+            threads=plan.threads, hosts=plan.hosts, bandwidth=shaped_rate(bandwidth)
+        ),
     )
     run_commbench(config, quiet=True)
 
@@ -372,12 +394,18 @@ def cluster_for(
     commbench recorded them), blocking collectives between busy ranks from
     ``sync/commbench.json`` and the server transport's messages from ``wire/commbench.json``
     where they were measured; the plan's ``shared_cores`` says how many
-    cores the hosts share. The links queue what the emulated hosts' shaping queues."""
+    cores the hosts share. The links queue what the emulated hosts' shaping queues; an
+    ``unshaped`` cell's links run at the rate its calibration's ring measured, unqueued."""
     from gradsync.config import TrainConfig
     from gradsync.netem import QUEUE_MS, place_ranks
     from gradsync.strategies import strategy_class
 
-    network = Network(bandwidth=parse_bandwidth(bandwidth), queue_s=QUEUE_MS / 1000)
+    if bandwidth == UNSHAPED:
+        if calibration is None:
+            raise UserError(f"bandwidth '{UNSHAPED}' takes its rate from a calibration")
+        network = Network(bandwidth=ring_rate(calibration))
+    else:
+        network = Network(bandwidth=parse_bandwidth(bandwidth), queue_s=QUEUE_MS / 1000)
     if calibration is not None:
         network = calibrate(network, calibration)
         extra = calibration.parent / SUPPLEMENT  # measured after the cells, if at all
@@ -444,7 +472,9 @@ def _run_cell(
         preset=model.preset,
         model_options=dict(model.options),
         steps=plan.steps,
-        launch=LaunchConfig(threads=plan.threads, hosts=plan.hosts, bandwidth=bandwidth),
+        launch=LaunchConfig(
+            threads=plan.threads, hosts=plan.hosts, bandwidth=shaped_rate(bandwidth)
+        ),
     )
     config = cell_config(base, spec, plan.workers, out / "runs" / f"{model.name}-{bandwidth}")
     load_before = os.getloadavg()[0]

@@ -176,6 +176,34 @@ def test_a_calibrated_validation_fits_each_bandwidth_to_its_own_commbench(
         assert network.message_s == pytest.approx(1e-3)
 
 
+def test_unshaped_validation_cells_run_at_the_rate_their_calibration_measured(
+    tmp_path: Path,
+) -> None:
+    from gradsync.errors import UserError
+    from gradsync.predict.sweep import parse_choice
+    from gradsync.predict.validate import _calibration, cluster_for, load_plan, shaped_rate
+
+    plan_file = tmp_path / "plan.toml"
+    text = 'strategies = ["ddp"]\nbandwidths = ["unshaped"]\n[[model]]\nname = "vgg16"\n'
+    plan_file.write_text(text)
+    with pytest.raises(UserError, match="calibrate = true"):
+        load_plan(plan_file)  # nothing says how fast links nobody shaped are
+    plan_file.write_text("calibrate = true\n" + text)
+    plan = load_plan(plan_file)
+    rows = [  # a 2-rank ring on veth pairs: 2 hops of 50 us, then S at 600 MB/s
+        {"op": "allreduce", "bytes": size, "time_s": 1e-4 + size / 6e8}
+        for size in (1 << 20, 1 << 24)
+    ]
+    path = _calibration(plan, "unshaped", tmp_path)
+    assert path is not None and shaped_rate("unshaped") is None
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"world_size": 2, "bandwidth": None, "results": rows}))
+    cluster = cluster_for(plan, model_profile("vgg16"), parse_choice("ddp"), "unshaped", path)
+    assert cluster.network.rate == pytest.approx(6e8)
+    assert cluster.network.message_s == pytest.approx(5e-5)
+    assert cluster.network.queue_s == 0.0  # no shaping, no shaper's queue
+
+
 def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> None:
 
     path = tmp_path / "bn.json"

@@ -191,6 +191,26 @@ def test_p3_slices_cost_cpu_per_message_where_they_cross_processes(
     assert shared.step_s == pytest.approx(11.0 + stretch)
 
 
+@pytest.mark.parametrize(("cores", "wall"), [(None, 1.0), (2, 1.0), (1, 2.0)])
+def test_a_servers_work_during_compute_runs_at_its_share_of_the_cores(
+    cores: int | None, wall: float
+) -> None:
+    # One worker and one dedicated server; the gradient is ready as the 10 s backward
+    # starts and crosses at once, and the server's 1 s of CPU falls inside backward. On one
+    # shared core the worker and the server each get half of it: the apply takes 2 s, and
+    # its 1 s of CPU lengthens backward by 1 s. On 2 cores each has one; on a real
+    # cluster the server has its own.
+    import dataclasses
+
+    profile = profile_of([variable("a", 1000, 0.0)], forward=1.0, backward=10.0)
+    profile = dataclasses.replace(profile, server_round_s=1.0)
+    cluster = Cluster(workers=1, network=Network(bandwidth=1e12), shared_cores=cores)
+    step = predict_step(profile, cluster, StrategyChoice("ps"))
+    (apply,) = [s for s in step.spans if s.name.startswith("AGGREGATE_APPLY")]
+    assert (apply.duration, apply.cpu_s or apply.duration) == pytest.approx((wall, 1.0))
+    assert step.step_s == pytest.approx(11.0 + (1.0 if cores == 1 else 0.0))
+
+
 def test_sync_calibration_is_the_small_allreduce_per_message_at_each_busy_interval(
     tmp_path,
 ) -> None:

@@ -60,21 +60,21 @@ def test_wire_calibration_reads_hop_cpu_and_serial_costs_from_the_echo(tmp_path)
     assert fitted.wire_hop_s == pytest.approx(5e-4) and fitted.hop_s == pytest.approx(1e-3)
 
 
-def test_wire_calibration_takes_the_python_line_of_the_busiest_echo(tmp_path) -> None:
-    # Idle echoes price the hop and the job's CPU; with --busy-ms rows beside them, the
-    # Python threads' line is that of the longest compute between messages (5 ms here).
+def test_wire_calibration_takes_the_cpu_and_python_lines_of_the_busiest_echo(tmp_path) -> None:
+    # Idle echoes price the hop; with --busy-ms rows beside them, the job's CPU line and
+    # the Python threads' line are those of the longest compute between messages (5 ms).
     idle = _echo_rows(5e-4, 1e8, cpu=(6e-4, 1.5e-9), python=(4e-4, 2e-11))
     busy = [
-        {**row, "busy_s": busy_s, "time_s": 1.0, "cpu_s": 1.0, "python_cpu_s": python}
-        for busy_s, python in ((0.002, 8e-4), (0.005, 1.2e-3))
-        for row in _echo_rows(5e-4, 1e8, cpu=(0.0, 0.0), python=(python, 0.0))
+        {**row, "busy_s": busy_s, "time_s": 1.0}
+        for busy_s, cpu, python in ((0.002, 1e-3, 8e-4), (0.005, 2e-3, 1.2e-3))
+        for row in _echo_rows(5e-4, 1e8, cpu=(cpu, 3e-9), python=(python, 0.0))
     ]
     costs = calibrate_wire(Network(bandwidth=125e6), _write(tmp_path / "w.json", idle + busy))
     assert costs.wire == pytest.approx(
         WireCosts(
             message_s=5e-4,
-            cpu_s_per_byte=1.5e-9,
-            cpu_s_per_message=3e-4,
+            cpu_s_per_byte=3e-9,
+            cpu_s_per_message=1e-3,
             serial_s=1.2e-3,
             serial_s_per_byte=0.0,
         )
