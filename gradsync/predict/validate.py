@@ -10,6 +10,7 @@ The file is a grid::
     hosts = 2
     steps = 12
     threads = 1
+    global_batch = 48         # optional: every cell's (default: each model's preset's)
     recommend = true          # also measure what predict recommends per model × bandwidth
     calibrate = true          # fit the network model to a commbench run per bandwidth
     shared_cores = 2          # every emulated host runs on this machine's 2 cores
@@ -73,6 +74,7 @@ KEYS = {
     "model",
     "profile_steps",
     "shared_cores",
+    "global_batch",
 }
 MODEL_KEYS = {"name", "preset", "options", "bandwidths"}
 # Allreduce sizes the calibration times: a BatchNorm sync, a first bucket, fusion buckets,
@@ -122,6 +124,7 @@ class ValidationPlan:
     calibrate: bool | str = False  # true: commbench per bandwidth; a path: that commbench.json
     profile_steps: int = 15
     shared_cores: int | None = None  # the emulated hosts all run on this many cores
+    global_batch: int | None = None  # every cell's (None: each model's preset's)
 
     def bandwidths_of(self, model: ModelEntry) -> tuple[str, ...]:
         """The bandwidths ``model`` is measured at: its own list, else the plan's."""
@@ -176,6 +179,8 @@ def load_plan(path: str | Path) -> ValidationPlan:
     check_shared_cores(plan.shared_cores, f"{path}: shared_cores")
     for spec in plan.strategies:
         parse_choice(spec, plan.workers)
+    for model in plan.models:
+        _check_batch(plan, model, path)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
         if bandwidth != UNSHAPED:
             parse_bandwidth(bandwidth)
@@ -185,6 +190,33 @@ def load_plan(path: str | Path) -> ValidationPlan:
                 "write calibrate = true"
             )
     return plan
+
+
+def _check_batch(plan: ValidationPlan, model: ModelEntry, path: Path) -> None:
+    """The workers split ``model``'s global batch evenly, or a one-line UserError."""
+    from gradsync.models import workload_of
+
+    batch = plan.global_batch
+    if batch is None:
+        batch = workload_of(_train_config(plan, model)).global_batch
+    if batch < 1 or batch % plan.workers:
+        even = plan.workers * max(1, batch // plan.workers)
+        raise UserError(
+            f"{path}: {model.label} trains a global batch of {batch}, which {plan.workers} "
+            f"workers cannot split evenly; write global_batch = {even} (a multiple of "
+            f"{plan.workers})"
+        )
+
+
+def _train_config(plan: ValidationPlan, model: ModelEntry, **fields: Any) -> TrainConfig:
+    """The run of ``model`` the plan's cells train (``fields`` added)."""
+    return TrainConfig(
+        model=model.name,
+        preset=model.preset,
+        model_options=dict(model.options),
+        global_batch=plan.global_batch,
+        **fields,
+    )
 
 
 def shaped_rate(bandwidth: str) -> str | None:
@@ -301,6 +333,7 @@ def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:
             preset=model.preset,
             model_options=model.options,
             workers=plan.workers,
+            batch=None if plan.global_batch is None else plan.global_batch // plan.workers,
             threads=plan.threads,
             steps=plan.profile_steps,
             warmup=min(3, plan.profile_steps - 2),
@@ -459,7 +492,7 @@ def _run_cell(
     bandwidth: str,
     out: Path,
 ) -> dict[str, Any]:
-    from gradsync.config import LaunchConfig, TrainConfig
+    from gradsync.config import LaunchConfig
     from gradsync.errors import JobFailed
     from gradsync.jobs import run_job
     from gradsync.verify import cell_config
@@ -467,10 +500,9 @@ def _run_cell(
     choice = parse_choice(spec, plan.workers)
     cluster = cluster_for(plan, profile, choice, bandwidth, _calibration(plan, bandwidth, out))
     predicted = predict_step(profile, cluster, choice)
-    base = TrainConfig(
-        model=model.name,
-        preset=model.preset,
-        model_options=dict(model.options),
+    base = _train_config(
+        plan,
+        model,
         steps=plan.steps,
         launch=LaunchConfig(
             threads=plan.threads, hosts=plan.hosts, bandwidth=shaped_rate(bandwidth)

@@ -204,6 +204,21 @@ def test_unshaped_validation_cells_run_at_the_rate_their_calibration_measured(
     assert cluster.network.queue_s == 0.0  # no shaping, no shaper's queue
 
 
+def test_a_validation_whose_workers_cannot_split_the_batch_stops_before_any_cell(
+    tmp_path: Path,
+) -> None:
+    from gradsync.errors import UserError
+    from gradsync.predict.validate import load_plan
+
+    plan_file = tmp_path / "plan.toml"
+    text = 'strategies = ["ddp"]\nbandwidths = ["1gbit"]\n[[model]]\nname = "vgg16"\n'
+    plan_file.write_text("workers = 3\n" + text)  # vgg16's preset trains 32 samples a step
+    with pytest.raises(UserError, match="global batch of 32.*global_batch = 30"):
+        load_plan(plan_file)
+    plan_file.write_text("workers = 3\nglobal_batch = 48\n" + text)
+    assert load_plan(plan_file).global_batch == 48
+
+
 def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> None:
 
     path = tmp_path / "bn.json"
