@@ -127,8 +127,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         type=_positive,
         metavar="C",
         help="every host's ranks run on the same C cores (hosts emulated on one machine): "
-        "communication's and servers' CPU time that overlaps compute lengthens it; its cost "
-        "comes from --calibrate (a commbench.json with cpu_s). Default: a real cluster",
+        "communication's and servers' CPU time that overlaps compute lengthens it, and servers "
+        "work at their share of the cores meanwhile; its cost comes from --calibrate (a "
+        "commbench.json with cpu_s). Default: a real cluster",
     )
     predict.add_argument(
         "--compute-speedup",

@@ -213,7 +213,7 @@ def test_a_validation_whose_workers_cannot_split_the_batch_stops_before_any_cell
     plan_file = tmp_path / "plan.toml"
     text = 'strategies = ["ddp"]\nbandwidths = ["1gbit"]\n[[model]]\nname = "vgg16"\n'
     plan_file.write_text("workers = 3\n" + text)  # vgg16's preset trains 32 samples a step
-    with pytest.raises(UserError, match="global batch of 32.*global_batch = 30"):
+    with pytest.raises(UserError, match=r"global batch of 32.*global_batch = 30"):
         load_plan(plan_file)
     plan_file.write_text("workers = 3\nglobal_batch = 48\n" + text)
     assert load_plan(plan_file).global_batch == 48
