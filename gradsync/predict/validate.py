@@ -175,6 +175,7 @@ def load_plan(path: str | Path) -> ValidationPlan:
         raise UserError(f"{path}: missing or malformed key {error}") from None
     if not plan.models:
         raise UserError(f'{path}: no [[model]] tables; add one with name = "transformer"')
+    _check_counts(plan, path)
     _check_calibrate(plan.calibrate, path)
     check_shared_cores(plan.shared_cores, f"{path}: shared_cores")
     for spec in plan.strategies:
@@ -192,6 +193,19 @@ def load_plan(path: str | Path) -> ValidationPlan:
     return plan
 
 
+COUNTS = ("workers", "hosts", "steps", "threads", "profile_steps", "global_batch")
+
+
+def _check_counts(plan: ValidationPlan, path: Path) -> None:
+    """The plan's counts are whole numbers of at least 1 (``global_batch`` may be absent)."""
+    for key in COUNTS:
+        value = getattr(plan, key)
+        if key == "global_batch" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{path}: {key} = {value!r} is not a whole number of at least 1")
+
+
 def _check_batch(plan: ValidationPlan, model: ModelEntry, path: Path) -> None:
     """The workers split ``model``'s global batch evenly, or a one-line UserError."""
     from gradsync.models import workload_of
@@ -199,7 +213,7 @@ def _check_batch(plan: ValidationPlan, model: ModelEntry, path: Path) -> None:
     batch = plan.global_batch
     if batch is None:
         batch = workload_of(_train_config(plan, model)).global_batch
-    if batch < 1 or batch % plan.workers:
+    if batch % plan.workers:
         even = plan.workers * max(1, batch // plan.workers)
         raise UserError(
             f"{path}: {model.label} trains a global batch of {batch}, which {plan.workers} "

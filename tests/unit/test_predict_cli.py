@@ -217,6 +217,10 @@ def test_a_validation_whose_workers_cannot_split_the_batch_stops_before_any_cell
         load_plan(plan_file)
     plan_file.write_text("workers = 3\nglobal_batch = 48\n" + text)
     assert load_plan(plan_file).global_batch == 48
+    for bad in ('global_batch = "48"', "global_batch = 0", 'workers = "2"', "hosts = true"):
+        plan_file.write_text(f"{bad}\n" + text)
+        with pytest.raises(UserError, match="not a whole number of at least 1"):
+            load_plan(plan_file)
 
 
 def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> None:
