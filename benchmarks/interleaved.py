@@ -13,7 +13,8 @@ common arguments, so they run the same workload; the script prints them.
         "ddp=--strategy ddp" "allreduce=--strategy allreduce"
 
 ``--checkout NAME=DIR`` runs variant NAME with the gradsync of another checkout (a clone of
-an earlier commit, say), so a change is measured against its parent side by side:
+an earlier commit, say), so a change is measured against its parent side by side; ``--env
+NAME=KEY=VALUE`` adds a variable to one variant's environment (an allocator setting, say):
 
     python benchmarks/interleaved.py --rounds 3 --checkout before=/tmp/parent \\
         --common "--model resnet56 --workers 2 --threads 1" \\
@@ -42,10 +43,13 @@ WORKLOAD_FLAGS = {
 }
 
 
-def run(args: list[str], out: Path, checkout: str | None = None) -> dict:
-    """One `gradsync train` (of ``checkout``'s gradsync if given); its summary.json."""
+def run(
+    args: list[str], out: Path, checkout: str | None = None, env: dict[str, str] | None = None
+) -> dict:
+    """One `gradsync train` (of ``checkout``'s gradsync if given, with ``env`` added to the
+    environment); its summary.json."""
     command = [sys.executable, "-m", "gradsync", "train", "--out", str(out), *args]
-    env = dict(os.environ, PYTHONPATH=checkout) if checkout else None
+    env = dict(os.environ, **(env or {}), **({"PYTHONPATH": checkout} if checkout else {}))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"{shlex.join(command)} failed:\n{done.stderr[-2000:]}")
@@ -72,6 +76,13 @@ def main() -> None:
         metavar="NAME=DIR",
         help="run variant NAME with the gradsync in DIR (a clone of another commit)",
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=KEY=VALUE",
+        help="run variant NAME with KEY=VALUE in its environment (repeatable)",
+    )
     args = parser.parse_args()
     variants = dict(v.split("=", 1) for v in args.variants)
     checkouts = dict(c.split("=", 1) for c in args.checkout)
@@ -81,6 +92,15 @@ def main() -> None:
         if not (Path(directory) / "gradsync" / "__init__.py").is_file():
             sys.exit(f"--checkout {name}={directory}: no gradsync package in {directory}")
         print(f"variant {name} runs the gradsync in {directory}", flush=True)
+    envs: dict[str, dict[str, str]] = {}
+    for entry in args.env:
+        name, _, setting = entry.partition("=")
+        key, equals, value = setting.partition("=")
+        if name not in variants or not key or not equals:
+            sys.exit(f"--env {entry}: expected NAME=KEY=VALUE with NAME one of the variants")
+        envs.setdefault(name, {})[key] = value
+    for name, added in envs.items():
+        print(f"variant {name} runs with {' '.join(f'{k}={v}' for k, v in added.items())}")
     common = shlex.split(args.common)
     print(f"held equal (every variant): {args.common}", flush=True)
     for name, extra in variants.items():
@@ -99,7 +119,7 @@ def main() -> None:
         for name, extra in variants.items():
             loads.append(os.getloadavg()[0])
             out = Path(args.out) / f"{name}-r{round_}"
-            summary = run([*common, *shlex.split(extra)], out, checkouts.get(name))
+            summary = run([*common, *shlex.split(extra)], out, checkouts.get(name), envs.get(name))
             rates[name].append(summary["throughput"]["median"])
             sent[name].append(summary["bytes_sent_per_step"])
             cpu[name].append(summary.get("cpu_s_per_step", float("nan")))

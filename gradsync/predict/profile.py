@@ -26,7 +26,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,38 +174,54 @@ class Profile:
         Example:
             >>> # before.averaged_with(after).forward_s == (before.forward_s + after.forward_s) / 2
         """
-        names = [(v.name, v.numel) for v in self.variables]
-        if [(v.name, v.numel) for v in other.variables] != names or len(other.layers) != len(
-            self.layers
-        ):
-            raise UserError(
-                f"cannot average profiles of different models ({self.model}, {other.model})"
-            )
+        return Profile.mean([self, other])
 
-        def mean(a: float, b: float) -> float:
-            return (a + b) / 2
+    @staticmethod
+    def mean(profiles: Sequence[Profile]) -> Profile:
+        """The mean of ``profiles`` (at least one), profiles of the same model at the same
+        batch taken at different moments: every measured time averaged, everything else
+        the first's.
+
+        Example:
+            >>> # Profile.mean([a, b, c]).forward_s == (a.forward_s + b.forward_s + c.forward_s) / 3
+        """
+        first = profiles[0]
+        names = [(v.name, v.numel) for v in first.variables]
+        for other in profiles[1:]:
+            if [(v.name, v.numel) for v in other.variables] != names or len(other.layers) != len(
+                first.layers
+            ):
+                raise UserError(
+                    f"cannot average profiles of different models ({first.model}, {other.model})"
+                )
+
+        def average(values: Iterable[float]) -> float:
+            numbers = list(values)
+            return sum(numbers) / len(numbers)
 
         times = {
-            key: mean(getattr(self, key), getattr(other, key))
+            key: average(getattr(p, key) for p in profiles)
             for key in (
                 "forward_s", "backward_s", "optimizer_s_per_byte", "copy_s_per_byte",
                 "aggregate_s_per_byte", "apply_s_per_byte", "server_round_s",
             )
         }  # fmt: skip
         layers = tuple(
-            dataclasses.replace(a, forward_start_s=mean(a.forward_start_s, b.forward_start_s))
-            for a, b in zip(self.layers, other.layers, strict=True)
+            dataclasses.replace(
+                layer, forward_start_s=average(p.layers[i].forward_start_s for p in profiles)
+            )
+            for i, layer in enumerate(first.layers)
         )
         variables = tuple(
             dataclasses.replace(
-                a,
-                grad_ready_s=mean(a.grad_ready_s, b.grad_ready_s),
-                rows_touched=mean(a.rows_touched, b.rows_touched),
-                densify_s=mean(a.densify_s, b.densify_s),
+                variable,
+                grad_ready_s=average(p.variables[i].grad_ready_s for p in profiles),
+                rows_touched=average(p.variables[i].rows_touched for p in profiles),
+                densify_s=average(p.variables[i].densify_s for p in profiles),
             )
-            for a, b in zip(self.variables, other.variables, strict=True)
+            for i, variable in enumerate(first.variables)
         )
-        return dataclasses.replace(self, layers=layers, variables=variables, **times)
+        return dataclasses.replace(first, layers=layers, variables=variables, **times)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=1)

@@ -11,6 +11,7 @@ The file is a grid::
     steps = 12
     threads = 1
     global_batch = 48         # optional: every cell's (default: each model's preset's)
+    repeats = 3               # optional: each cell measured in this many interleaved rounds
     recommend = true          # also measure what predict recommends per model × bandwidth
     calibrate = true          # fit the network model to a commbench run per bandwidth
     shared_cores = 2          # every emulated host runs on this machine's 2 cores
@@ -29,6 +30,14 @@ on a cluster whose ranks sit on the hosts
 ``cells.jsonl`` as they come (a rerun skips cells already measured), then summarized in
 ``validation.md`` / ``validation.json``: per cell the error ``(predicted − measured) /
 measured``, and the median and 90th percentile of its absolute value.
+
+With ``repeats = N`` every cell is measured N times, in interleaved rounds (each model ×
+bandwidth runs all its strategies once, then all again), each run between two profiles as
+above. A cell's measurement is the median of its rounds, its spread their min–max, and it
+is predicted from the mean of all its rounds' profiles. Two runs of the same configuration
+on 2 shared cores differ by up to a quarter (vgg16 ``ddp`` on unshaped links: 205, 215 and
+263 samples/s in three runs), so one run per cell measures that noise as much as the
+prediction's error.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ KEYS = {
     "profile_steps",
     "shared_cores",
     "global_batch",
+    "repeats",
 }
 MODEL_KEYS = {"name", "preset", "options", "bandwidths"}
 # Allreduce sizes the calibration times: a BatchNorm sync, a first bucket, fusion buckets,
@@ -125,6 +135,7 @@ class ValidationPlan:
     profile_steps: int = 15
     shared_cores: int | None = None  # the emulated hosts all run on this many cores
     global_batch: int | None = None  # every cell's (None: each model's preset's)
+    repeats: int = 1  # interleaved rounds per cell; a cell's measurement is their median
 
     def bandwidths_of(self, model: ModelEntry) -> tuple[str, ...]:
         """The bandwidths ``model`` is measured at: its own list, else the plan's."""
@@ -193,7 +204,7 @@ def load_plan(path: str | Path) -> ValidationPlan:
     return plan
 
 
-COUNTS = ("workers", "hosts", "steps", "threads", "profile_steps", "global_batch")
+COUNTS = ("workers", "hosts", "steps", "threads", "profile_steps", "global_batch", "repeats")
 
 
 def _check_counts(plan: ValidationPlan, path: Path) -> None:
@@ -268,11 +279,14 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     """
     out.mkdir(parents=True, exist_ok=True)
     log = out / "cells.jsonl"
-    done = {c["id"]: c for c in _read_cells(log)}
+    done = {_run_key(c): c for c in _read_cells(log)}
+    rounds = range(plan.repeats)
     for model in plan.models:
         for bandwidth in plan.bandwidths_of(model):
             specs = list(plan.strategies)
-            if not plan.recommend and all(_cell_id(model, s, bandwidth) in done for s in specs):
+            if not plan.recommend and all(
+                (_cell_id(model, s, bandwidth), r) in done for s in specs for r in rounds
+            ):
                 continue
             if plan.calibrate is True:
                 _measure_calibration(plan, bandwidth, out)
@@ -284,25 +298,74 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
             if plan.recommend:
                 specs.append(_recommended(plan, profile, bandwidth, out))
             before: Path | None = group if fresh else None
-            for spec in dict.fromkeys(specs):
+            for round_, spec in ((r, spec) for r in rounds for spec in dict.fromkeys(specs)):
                 cell_id = _cell_id(model, spec, bandwidth)
-                if cell_id in done:
+                if (cell_id, round_) in done:
                     continue
-                label = spec.replace(":", "-").replace("=", "")
+                label = spec.replace(":", "-").replace("=", "") + _round_suffix(round_)
                 if before is None:
                     before = out / "profiles" / f"{model.name}-{bandwidth}-{label}-before.json"
                     profile = _profile(plan, model, before)
                 after = out / "profiles" / f"{model.name}-{bandwidth}-{label}.json"
-                cell = _run_cell(plan, model, profile, spec, bandwidth, out)
+                cell = _run_cell(plan, model, profile, spec, bandwidth, out, round_=round_)
                 profile = _profile(plan, model, after)  # and the next cell's before
                 cell.update(id=cell_id, profile=str(before), profile_after=str(after))
-                done[cell_id] = cell
+                if plan.repeats > 1:
+                    cell["round"] = round_
+                done[(cell_id, round_)] = cell
                 with log.open("a") as handle:
                     handle.write(json.dumps(cell) + "\n")
                 print(_cell_line(cell), flush=True)
                 before = after
-    cells = [_repredict(plan, c, out) for c in done.values()]
+    cells = [_repredict(plan, c, out) for c in combine_rounds(list(done.values()))]
     return summarize(cells, out, plan)
+
+
+def _run_key(cell: dict[str, Any]) -> tuple[str, int]:
+    """A measured run's place in the plan: its cell and its round (0 without repeats)."""
+    return cell["id"], int(cell.get("round", 0))
+
+
+def _round_suffix(round_: int) -> str:
+    """What names round ``round_``'s profiles and run directory apart ("" for the first, so
+    a plan without repeats names them as before)."""
+    return f"-r{round_}" if round_ else ""
+
+
+def combine_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cell per id from its rounds' runs, in the order cells were first measured: the
+    median measurement of the rounds that ran, their samples/s (``rounds``), every profile
+    taken around them (``profiles``), and the runs that failed. A cell measured once is
+    returned as it is.
+
+    Example:
+        >>> runs = [{"id": "a", "round": r, "status": "ok", "measured": m, "load_before": 1.0,
+        ...          "profile": f"b{r}", "profile_after": f"a{r}"}
+        ...         for r, m in enumerate([3.0, 1.0, 2.0])]
+        >>> cell = combine_rounds(runs)[0]
+        >>> cell["measured"], cell["rounds"], cell["profiles"][:2]
+        (2.0, [3.0, 1.0, 2.0], ['b0', 'a0'])
+    """
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_id.setdefault(run["id"], []).append(run)
+    cells = []
+    for group in by_id.values():
+        if len(group) == 1:
+            cells.append(group[0])
+            continue
+        group.sort(key=lambda run: int(run.get("round", 0)))
+        ok = [run for run in group if run["status"] == "ok"]
+        cell = {**(ok or group)[0]}
+        cell.pop("round", None)
+        cell["profiles"] = [run[key] for run in group for key in ("profile", "profile_after")]
+        cell["failed_rounds"] = len(group) - len(ok)
+        if ok:
+            cell["rounds"] = [run["measured"] for run in ok]
+            cell["measured"] = statistics.median(cell["rounds"])
+            cell["load_before"] = statistics.median(run["load_before"] for run in ok)
+        cells.append(cell)
+    return cells
 
 
 def _cell_id(model: ModelEntry, spec: str, bandwidth: str) -> str:
@@ -311,8 +374,10 @@ def _cell_id(model: ModelEntry, spec: str, bandwidth: str) -> str:
 
 def _cell_profile(cell: dict[str, Any]) -> Profile:
     """The profile a cell is predicted from: the mean of those taken just before and just
-    after it (``profile``, ``profile_after``), or the one before (runs that took no
-    other)."""
+    after each of its rounds (``profiles``), else of those either side of its one run
+    (``profile``, ``profile_after``), or the one before (runs that took no other)."""
+    if "profiles" in cell:
+        return Profile.mean([Profile.load(path) for path in cell["profiles"]])
     profile = Profile.load(cell["profile"])
     if "profile_after" in cell:
         profile = profile.averaged_with(Profile.load(cell["profile_after"]))
@@ -505,6 +570,8 @@ def _run_cell(
     spec: str,
     bandwidth: str,
     out: Path,
+    *,
+    round_: int = 0,
 ) -> dict[str, Any]:
     from gradsync.config import LaunchConfig
     from gradsync.errors import JobFailed
@@ -522,7 +589,8 @@ def _run_cell(
             threads=plan.threads, hosts=plan.hosts, bandwidth=shaped_rate(bandwidth)
         ),
     )
-    config = cell_config(base, spec, plan.workers, out / "runs" / f"{model.name}-{bandwidth}")
+    runs = out / "runs" / f"{model.name}-{bandwidth}{_round_suffix(round_)}"
+    config = cell_config(base, spec, plan.workers, runs)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     cell: dict[str, Any] = {
@@ -576,7 +644,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _with_spread(cell: dict[str, Any], out: Path) -> dict[str, Any]:
-    """``cell`` with the min–max of its run's measurement windows (the noise it had)."""
+    """``cell`` with the min–max of its rounds, or of its one run's measurement windows (the
+    noise it had)."""
+    if len(cell.get("rounds", ())) > 1:
+        return {**cell, "spread": f"{min(cell['rounds']):.2f}–{max(cell['rounds']):.2f}"}
     label = cell["strategy"].replace(":", "-").replace("=", "")
     model = cell["model"].split(" ")[0]
     run = out / "runs" / f"{model}-{cell['bandwidth']}" / f"{label}-w{cell['workers']}"
@@ -715,6 +786,7 @@ def summarize(cells: list[dict[str, Any]], out: Path, plan: ValidationPlan) -> d
 __all__ = [
     "ValidationPlan",
     "cluster_for",
+    "combine_rounds",
     "load_plan",
     "percentile",
     "run_validation",

@@ -439,7 +439,9 @@ def test_each_validation_cell_is_predicted_from_profiles_either_side_of_it(
         profile.save(where)
         return profile
 
-    def fake_cell(plan: Any, model: Any, profile: Profile, spec: str, bandwidth: str, out: Path):
+    def fake_cell(
+        plan: Any, model: Any, profile: Profile, spec: str, bandwidth: str, out: Path, **_: Any
+    ):
         return {"model": model.label, "strategy": spec, "bandwidth": bandwidth, "workers": 2,
                 "status": "ok", "measured": 1.0, "predicted": 1.0, "error": 0.0,
                 "load_before": 0.0}  # fmt: skip
@@ -468,3 +470,71 @@ def test_each_validation_cell_is_predicted_from_profiles_either_side_of_it(
     resumed = {c["strategy"]: c for c in summary["cells"]}["allreduce"]
     assert resumed["profile"].endswith("vgg16-1gbit-allreduce-before.json")
     assert Profile.load(cells["ddp"]["profile"]).forward_s == 1.0
+
+
+def test_a_validation_with_repeats_measures_each_cell_in_interleaved_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """repeats = 3: every strategy once, then every strategy again (A, B, A, B, A, B), each
+    run in a directory of its own; a cell is the median of its rounds, its spread their
+    min–max, predicted from the mean of all six profiles around its runs. A resumed run
+    measures only the rounds missing."""
+    from gradsync.predict import validate
+    from gradsync.predict.simulate import StrategyChoice, predict_step
+
+    forwards = iter(float(n) for n in range(1, 100))
+    measured = iter([10.0, 20.0, 30.0, 21.0, 12.0, 19.0, 99.0, 99.0])
+    order: list[tuple[str, int]] = []
+
+    def fake_profile(plan: Any, model: Any, where: Path) -> Profile:
+        profile = dataclasses.replace(
+            profile_of([variable("w", 1000, 0.5)], forward=next(forwards)), model="vgg16"
+        )
+        profile.save(where)
+        return profile
+
+    def fake_cell(
+        plan: Any, model: Any, profile: Profile, spec: str, bandwidth: str, out: Path,
+        *, round_: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
+        order.append((spec, round_))
+        return {"model": model.label, "strategy": spec, "bandwidth": bandwidth, "workers": 2,
+                "status": "ok", "measured": next(measured), "predicted": 1.0, "error": 0.0,
+                "load_before": 0.0}  # fmt: skip
+
+    monkeypatch.setattr(validate, "_profile", fake_profile)
+    monkeypatch.setattr(validate, "_run_cell", fake_cell)
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text('strategies = ["ddp", "allreduce"]\nbandwidths = ["1gbit"]\n'
+                         'repeats = 3\n[[model]]\nname = "vgg16"\n')  # fmt: skip
+    plan = validate.load_plan(plan_file)
+    summary = validate.run_validation(plan, tmp_path / "run")
+    assert order == [(s, r) for r in range(3) for s in ("ddp", "allreduce")]
+    cells = {c["strategy"]: c for c in summary["cells"]}
+    assert cells["ddp"]["rounds"] == [10.0, 30.0, 12.0] and cells["ddp"]["measured"] == 12.0
+    assert cells["allreduce"]["measured"] == 20.0 and cells["allreduce"]["spread"] == "19.00–21.00"
+    # ddp's runs sat between profiles 1|2, 3|4 and 5|6 (forward_s): their mean is 3.5.
+    assert [Profile.load(p).forward_s for p in cells["ddp"]["profiles"]] == [1, 2, 3, 4, 5, 6]
+    cluster = validate.cluster_for(plan, Profile.load(cells["ddp"]["profiles"][0]),
+                                   StrategyChoice("ddp"), "1gbit")  # fmt: skip
+    mean = dataclasses.replace(profile_of([variable("w", 1000, 0.5)], forward=3.5), model="vgg16")
+    expected = predict_step(mean, cluster, StrategyChoice("ddp")).throughput
+    assert cells["ddp"]["predicted"] == pytest.approx(expected)
+    assert cells["ddp"]["error"] == pytest.approx(expected / 12.0 - 1)
+    # Resumed with the last round lost: only that round runs again.
+    log = tmp_path / "run" / "cells.jsonl"
+    log.write_text("\n".join(log.read_text().splitlines()[:4]) + "\n")
+    order.clear()
+    validate.run_validation(plan, tmp_path / "run")
+    assert order == [("ddp", 2), ("allreduce", 2)]
+
+
+def test_a_validation_plan_with_zero_repeats_is_refused(tmp_path: Path) -> None:
+    from gradsync.errors import UserError
+    from gradsync.predict import validate
+
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text('strategies = ["ddp"]\nbandwidths = ["1gbit"]\nrepeats = 0\n'
+                         '[[model]]\nname = "vgg16"\n')  # fmt: skip
+    with pytest.raises(UserError, match="repeats = 0 is not a whole number of at least 1"):
+        validate.load_plan(plan_file)
