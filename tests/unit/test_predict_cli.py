@@ -422,15 +422,15 @@ def test_averaging_two_profiles_halves_every_time_between_them() -> None:
         slow.averaged_with(profile_of([variable("v", 1000, 1.0)]))
 
 
-def test_each_validation_cell_is_predicted_from_profiles_either_side_of_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Profile, cell, profile, cell, profile: the profile after a cell is the next one's
-    before, so a machine that slows down during the run is bracketed, not sampled once."""
+def _fake_validation(
+    monkeypatch: pytest.MonkeyPatch, plan_file: Path, forwards: Any, measured: Any
+) -> list[tuple[str, int]]:
+    """Validation without training or profiling: each profile's forward_s is the next of
+    ``forwards``, each run measures the next of ``measured``; returns the (strategy,
+    round) of every run, in order, as they happen."""
     from gradsync.predict import validate
-    from gradsync.predict.simulate import StrategyChoice, predict_step
 
-    forwards = iter([1.0, 3.0, 5.0, 7.0, 9.0])
+    order: list[tuple[str, int]] = []
 
     def fake_profile(plan: Any, model: Any, where: Path) -> Profile:
         profile = dataclasses.replace(
@@ -440,17 +440,31 @@ def test_each_validation_cell_is_predicted_from_profiles_either_side_of_it(
         return profile
 
     def fake_cell(
-        plan: Any, model: Any, profile: Profile, spec: str, bandwidth: str, out: Path, **_: Any
-    ):
+        plan: Any, model: Any, profile: Profile, spec: str, bandwidth: str, out: Path,
+        *, round_: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
+        order.append((spec, round_))
         return {"model": model.label, "strategy": spec, "bandwidth": bandwidth, "workers": 2,
-                "status": "ok", "measured": 1.0, "predicted": 1.0, "error": 0.0,
+                "status": "ok", "measured": next(measured), "predicted": 1.0, "error": 0.0,
                 "load_before": 0.0}  # fmt: skip
 
     monkeypatch.setattr(validate, "_profile", fake_profile)
     monkeypatch.setattr(validate, "_run_cell", fake_cell)
+    return order
+
+
+def test_each_validation_cell_is_predicted_from_profiles_either_side_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Profile, cell, profile, cell, profile: the profile after a cell is the next one's
+    before, so a machine that slows down during the run is bracketed, not sampled once."""
+    from gradsync.predict import validate
+    from gradsync.predict.simulate import StrategyChoice, predict_step
+
     plan_file = tmp_path / "plan.toml"
     plan_file.write_text('strategies = ["ddp", "allreduce"]\nbandwidths = ["1gbit"]\n'
                          '[[model]]\nname = "vgg16"\n')  # fmt: skip
+    _fake_validation(monkeypatch, plan_file, iter([1.0, 3.0, 5.0, 7.0, 9.0]), iter([1.0] * 9))
     plan = validate.load_plan(plan_file)
     summary = validate.run_validation(plan, tmp_path / "run")
     cells = {c["strategy"]: c for c in summary["cells"]}
@@ -482,31 +496,12 @@ def test_a_validation_with_repeats_measures_each_cell_in_interleaved_rounds(
     from gradsync.predict import validate
     from gradsync.predict.simulate import StrategyChoice, predict_step
 
-    forwards = iter(float(n) for n in range(1, 100))
-    measured = iter([10.0, 20.0, 30.0, 21.0, 12.0, 19.0, 99.0, 99.0])
-    order: list[tuple[str, int]] = []
-
-    def fake_profile(plan: Any, model: Any, where: Path) -> Profile:
-        profile = dataclasses.replace(
-            profile_of([variable("w", 1000, 0.5)], forward=next(forwards)), model="vgg16"
-        )
-        profile.save(where)
-        return profile
-
-    def fake_cell(
-        plan: Any, model: Any, profile: Profile, spec: str, bandwidth: str, out: Path,
-        *, round_: int = 0,
-    ) -> dict[str, Any]:  # fmt: skip
-        order.append((spec, round_))
-        return {"model": model.label, "strategy": spec, "bandwidth": bandwidth, "workers": 2,
-                "status": "ok", "measured": next(measured), "predicted": 1.0, "error": 0.0,
-                "load_before": 0.0}  # fmt: skip
-
-    monkeypatch.setattr(validate, "_profile", fake_profile)
-    monkeypatch.setattr(validate, "_run_cell", fake_cell)
     plan_file = tmp_path / "plan.toml"
     plan_file.write_text('strategies = ["ddp", "allreduce"]\nbandwidths = ["1gbit"]\n'
                          'repeats = 3\n[[model]]\nname = "vgg16"\n')  # fmt: skip
+    measured = iter([10.0, 20.0, 30.0, 21.0, 12.0, 19.0, 99.0, 99.0])
+    forwards = iter(float(n) for n in range(1, 100))
+    order = _fake_validation(monkeypatch, plan_file, forwards, measured)
     plan = validate.load_plan(plan_file)
     summary = validate.run_validation(plan, tmp_path / "run")
     assert order == [(s, r) for r in range(3) for s in ("ddp", "allreduce")]
