@@ -358,7 +358,9 @@ def combine_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ok = [run for run in group if run["status"] == "ok"]
         cell = {**(ok or group)[0]}
         cell.pop("round", None)
-        cell["profiles"] = [run[key] for run in group for key in ("profile", "profile_after")]
+        cell["profiles"] = [
+            run[key] for run in group for key in ("profile", "profile_after") if key in run
+        ]
         cell["failed_rounds"] = len(group) - len(ok)
         if ok:
             cell["rounds"] = [run["measured"] for run in ok]
