@@ -30,6 +30,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # What makes two runs different workloads (as gradsync compare flags them).
@@ -68,7 +69,11 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help="NAME=ARGS (gradsync train arguments)")
     parser.add_argument("--common", default="", help="arguments every variant gets")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="runs/interleaved")
+    parser.add_argument(
+        "--out",
+        default=f"runs/interleaved/{time.strftime('%Y%m%d-%H%M%S')}",
+        help="where the runs go (default: a new folder per invocation, so runs never mix)",
+    )
     parser.add_argument(
         "--checkout",
         action="append",
