@@ -378,12 +378,10 @@ def _cell_profile(cell: dict[str, Any]) -> Profile:
     """The profile a cell is predicted from: the mean of those taken just before and just
     after each of its rounds (``profiles``), else of those either side of its one run
     (``profile``, ``profile_after``), or the one before (runs that took no other)."""
-    if "profiles" in cell:
-        return Profile.mean([Profile.load(path) for path in cell["profiles"]])
-    profile = Profile.load(cell["profile"])
-    if "profile_after" in cell:
-        profile = profile.averaged_with(Profile.load(cell["profile_after"]))
-    return profile
+    paths = cell.get("profiles") or [
+        cell[key] for key in ("profile", "profile_after") if key in cell
+    ]
+    return Profile.mean([Profile.load(path) for path in paths])
 
 
 def _repredict(plan: ValidationPlan, cell: dict[str, Any], out: Path) -> dict[str, Any]:
