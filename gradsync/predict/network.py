@@ -347,6 +347,27 @@ class Cluster:
         net = self.network
         return net.intra_rate if self.num_hosts == 1 else min(net.rate, net.intra_rate)
 
+    def link_phase_s(self, bytes_per_server: list[float]) -> float:
+        """Time for every worker to send ``bytes_per_server[s]`` to each server s at once (or
+        receive it: the links are full duplex and symmetric): the busiest host link decides.
+
+        Example:
+            >>> net = Network(bandwidth=1e6, message_s=0.0)
+            >>> Cluster(workers=2, network=net, servers=1).link_phase_s([1e6])  # 2 MB in
+            2.0
+        """
+        total = sum(bytes_per_server)
+        server_load: dict[int, float] = {}
+        for server, num_bytes in enumerate(bytes_per_server):
+            host = self.server_host(server)
+            server_load[host] = server_load.get(host, 0.0) + num_bytes
+        on_host = self.workers_per_host()
+        # Worker-side direction: each of a host's workers moves what lives off that host.
+        worst = max(count * (total - server_load.get(host, 0.0)) for host, count in on_host.items())
+        for host, num_bytes in server_load.items():
+            worst = max(worst, num_bytes * (self.workers - on_host.get(host, 0)))
+        return worst / self.network.rate + (self.network.wire_hop_s if worst else 0.0)
+
     def remote_workers(self, server: int) -> int:
         """Workers whose messages to ``server`` cross its host's link."""
         host = self.server_host(server)

@@ -46,6 +46,17 @@ class VariableProfile:
     ``densify_s`` the median seconds of making its gradient dense (``to_dense``, a fresh
     tensor of the whole table: what ``ps``, ``p3`` and ``sparse_as_dense`` do in the
     backward hook), 0 for dense ones and in profiles taken before it was measured.
+
+    A sparse variable's rows as strategies that send rows handle them, timed with their
+    code on the profiled steps' rows (:class:`_SparseRowWork`; 0 for dense variables and
+    in profiles taken before session 19): ``coalesce_s``, seconds to turn a step's gradient
+    into sorted unique rows (every worker, when backward ends); per row,
+    ``merge_s_per_row`` of summing two workers' rows (a node's or a server's aggregation,
+    an all-gather's sum), ``apply_s_per_row`` of momentum SGD on their union (``hybrid``'s
+    server, rows caught up first), and ``read_s_per_row`` of reading one worker's rows for
+    its pull. ``row_bins``: the share of a step's rows in each of :data:`ROW_BINS` equal
+    ranges of rows, first to last (where the rows a step touches lie: a server owns ranges
+    of rows; () where not measured: evenly spread).
     """
 
     name: str
@@ -57,10 +68,42 @@ class VariableProfile:
     num_rows: int = 0
     rows_touched: float = 0.0
     densify_s: float = 0.0
+    coalesce_s: float = 0.0
+    merge_s_per_row: float = 0.0
+    apply_s_per_row: float = 0.0
+    read_s_per_row: float = 0.0
+    row_bins: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "row_bins", tuple(self.row_bins))
 
     @property
     def num_bytes(self) -> int:
         return self.numel * self.element_size
+
+    def rows_share(self, start: int, stop: int) -> float:
+        """The share of a step's rows that lie in rows ``[start, stop)``: from
+        :attr:`row_bins`, evenly within a bin; in proportion to the range without them.
+
+        Example:
+            >>> v = VariableProfile(name="e", numel=100, element_size=4, layer=0,
+            ...                     grad_ready_s=0.0, sparse=True, num_rows=100,
+            ...                     row_bins=(0.5, 0.25, 0.25, 0.0))
+            >>> v.rows_share(0, 50), v.rows_share(0, 10)
+            (0.75, 0.2)
+        """
+        if not self.row_bins:
+            return (stop - start) / self.num_rows
+
+        def below(row: int) -> float:  # share of the rows under `row`
+            position = row * len(self.row_bins) / self.num_rows
+            whole = int(position)
+            share = sum(self.row_bins[:whole])
+            if whole < len(self.row_bins):
+                share += (position - whole) * self.row_bins[whole]
+            return share
+
+        return below(stop) - below(start)
 
     @property
     def row_bytes(self) -> float:
@@ -70,6 +113,18 @@ class VariableProfile:
     def sparse_bytes(self) -> float:
         """Bytes of the rows one worker's step touches (values only)."""
         return self.rows_touched * self.row_bytes
+
+
+ROW_BINS = 16  # equal row ranges of a sparse variable over which its touched rows are counted
+SPARSE_TIMES = ("densify_s", "coalesce_s", "merge_s_per_row", "apply_s_per_row", "read_s_per_row")
+
+
+def _mean_bins(bins: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """Element-wise mean of row histograms (those measured; () if none was)."""
+    measured = [b for b in bins if b]
+    if not measured:
+        return ()
+    return tuple(sum(column) / len(measured) for column in zip(*measured, strict=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +272,11 @@ class Profile:
                 variable,
                 grad_ready_s=average(p.variables[i].grad_ready_s for p in profiles),
                 rows_touched=average(p.variables[i].rows_touched for p in profiles),
-                densify_s=average(p.variables[i].densify_s for p in profiles),
+                **{
+                    key: average(getattr(p.variables[i], key) for p in profiles)
+                    for key in SPARSE_TIMES
+                },
+                row_bins=_mean_bins([p.variables[i].row_bins for p in profiles]),
             )
             for i, variable in enumerate(first.variables)
         )
@@ -403,6 +462,7 @@ def _measure(request: ProfileRequest) -> Profile:
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     updater = Updater(params.values(), OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
     clock = _StepClock(params, device)
+    server = _SparseRowWork(OptimConfig(name=request.optimizer).momentum)  # type: ignore[arg-type]
     order = LayerOrder(model)
     for step in range(request.steps):
         data = workload.dataset.batch(step=step, size=batch, start=0, stop=batch)
@@ -416,7 +476,7 @@ def _measure(request: ProfileRequest) -> Profile:
         if step == 0:
             layers = order.finish()
             clock.watch_layers(layers.modules)
-        clock.measure_sparse_gradients(params)
+        clock.measure_sparse_gradients(params, server)
         clock.time(lambda: updater.update(), "optimizer")
     from gradsync.probe import sparse_lookup_weights
 
@@ -504,13 +564,18 @@ class _StepClock:
     def end_backward(self) -> None:
         self._mark("backward", self._backward_start)
 
-    def measure_sparse_gradients(self, params: dict[str, Any]) -> None:
-        """Rows each sparse gradient touches, and how long making it dense takes."""
+    def measure_sparse_gradients(self, params: dict[str, Any], server: _SparseRowWork) -> None:
+        """Rows each sparse gradient touches, how long making it dense takes, and what
+        ``hybrid``'s server does with them (``server``)."""
         for name, param in params.items():
             if param.grad is not None and param.grad.is_sparse:
                 rows = param.grad.coalesce().indices()[0].unique().numel()
-                self.samples.setdefault(f"rows:{name}", []).append(float(rows))
+                self.record(f"rows:{name}", float(rows))
                 self.time(param.grad.to_dense, f"densify:{name}")
+                server.measure(name, param, self)
+
+    def record(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
 
     def time(self, work: Callable[[], None], key: str) -> None:
         started = self._now()
@@ -521,6 +586,57 @@ class _StepClock:
         values = self.samples.get(key, [])
         kept = values[warmup:] or values
         return statistics.median(kept) if kept else 0.0
+
+
+class _SparseRowWork:
+    """What strategies that send rows do with each sparse variable's gradient, timed on the
+    profiled steps' rows with their code (:mod:`gradsync.comm.sparse`,
+    :mod:`gradsync.comm.lazy`).
+
+    Per step and variable: the gradient coalesced into rows (``coalesce:``, seconds); then,
+    in a ``hybrid`` server's order, this step's rows read (``read:``, a pull: rows not
+    updated last step are caught up first), the rows of this step and of the step before
+    (standing in for a second worker's) summed (``merge:``), and their union applied under
+    momentum SGD to a copy of the table (``apply:``); these three in seconds per row.
+
+    Example:
+        >>> # work = _SparseRowWork(momentum=0.9); work.measure(name, param, clock)
+    """
+
+    def __init__(self, momentum: float) -> None:
+        self.momentum = momentum
+        self.tables: dict[str, Any] = {}
+        self.previous: dict[str, Any] = {}
+
+    def measure(self, name: str, param: Any, clock: _StepClock) -> None:
+        import torch
+
+        from gradsync.comm.lazy import LazyMomentumRows
+        from gradsync.comm.sparse import coalesce_rows, sum_rows
+
+        num_rows = param.shape[0]
+        if name not in self.tables:
+            values = param.detach().reshape(num_rows, -1).clone()
+            self.tables[name] = LazyMomentumRows(values, momentum=self.momentum)
+        table = self.tables[name]
+        started = time.perf_counter()
+        mine = coalesce_rows(param.grad, num_rows)
+        clock.record(f"coalesce:{name}", time.perf_counter() - started)
+        bins = torch.bincount(mine[0] * ROW_BINS // num_rows, minlength=ROW_BINS)
+        for i, share in enumerate((bins / max(1, len(mine[0]))).tolist()):
+            clock.record(f"bin{i}:{name}", share)
+        other = self.previous.get(name, mine)
+        self.previous[name] = mine
+        started = time.perf_counter()
+        table.read(mine[0])  # the pull of this step comes before its update
+        read = time.perf_counter()
+        rows, grad = sum_rows([mine, other], num_rows)
+        merged = time.perf_counter()
+        table.apply(rows, grad, lr=1e-3)
+        applied = time.perf_counter()
+        clock.record(f"read:{name}", (read - started) / max(1, len(mine[0])))
+        clock.record(f"merge:{name}", (merged - read) / max(1, len(mine[0]) + len(other[0])))
+        clock.record(f"apply:{name}", (applied - merged) / max(1, len(rows)))
 
 
 def _assemble(
@@ -548,6 +664,11 @@ def _assemble(
             num_rows=param.shape[0] if name in sparse else 0,
             rows_touched=clock.median(f"rows:{name}", warmup) if name in sparse else 0.0,
             densify_s=clock.median(f"densify:{name}", warmup) if name in sparse else 0.0,
+            coalesce_s=clock.median(f"coalesce:{name}", warmup),
+            merge_s_per_row=clock.median(f"merge:{name}", warmup),
+            apply_s_per_row=clock.median(f"apply:{name}", warmup),
+            read_s_per_row=clock.median(f"read:{name}", warmup),
+            row_bins=_row_bins(clock, name, warmup) if name in sparse else (),
         )
         for name, param in params.items()
     ]
@@ -578,6 +699,14 @@ def _assemble(
         host=platform.node(),
         torch_version=torch.__version__,
     )
+
+
+def _row_bins(clock: _StepClock, name: str, warmup: int) -> tuple[float, ...]:
+    """The median share of a step's rows in each of :data:`ROW_BINS` equal row ranges of
+    ``name``, normalized to sum to 1 (() where no step had rows)."""
+    medians = [clock.median(f"bin{i}:{name}", warmup) for i in range(ROW_BINS)]
+    total = sum(medians)
+    return tuple(m / total for m in medians) if total else ()
 
 
 def _byte_costs(num_bytes: int, request: ProfileRequest) -> tuple[float, float, float]:

@@ -54,13 +54,13 @@ from gradsync.errors import UserError
 from gradsync.predict.links import SharedLinks
 from gradsync.predict.network import Cluster
 from gradsync.predict.profile import Profile, VariableProfile
+from gradsync.predict.sparse_rounds import INDEX_BYTES, rows_cpu_s, sparse_round
 from gradsync.strategies.allreduce import AllreduceOptions
 from gradsync.strategies.hybrid import HybridOptions
 from gradsync.strategies.p3 import P3Options
 from gradsync.strategies.ps import PSOptions
 
 COMPUTE_TRACK, COMM_TRACK, SERVER_TRACK = "compute", "communication", "server 0"
-INDEX_BYTES = 8  # int64 row indices of sparse pushes and pulls
 
 
 @dataclass(frozen=True)
@@ -382,6 +382,7 @@ def _bucketed_allreduce(
         ready = backward_start + max(v.grad_ready_s for v in sparse) + shift
         start = max(ready, last_launch, comm_free)
         duration, sent = _row_allgather(cluster, sparse, per_variable=sparse_per_variable)
+        duration += rows_cpu_s(profile, cluster.workers)  # coalesce, then sum every worker's
         spans.append(Span(COMM_TRACK, "ALLGATHER sparse rows", start, duration))
         comm_free, moved = start + duration, moved + sent
     synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, comm_free)
@@ -528,25 +529,6 @@ def simulate_ddp(
 
 
 # -- parameter servers ---------------------------------------------------------------------
-
-
-def _link_phase_s(cluster: Cluster, bytes_per_server: list[float]) -> float:
-    """Time for every worker to send ``bytes_per_server[s]`` to each server s at once (or
-    receive it: the links are full duplex and symmetric): the busiest host link decides."""
-    net = cluster.network
-    total = sum(bytes_per_server)
-    server_load: dict[int, float] = {}
-    for server, num_bytes in enumerate(bytes_per_server):
-        host = cluster.server_host(server)
-        server_load[host] = server_load.get(host, 0.0) + num_bytes
-    worst = 0.0
-    for host, count in cluster.workers_per_host().items():
-        # Worker-side direction: each of `count` workers moves what lives off this host.
-        worst = max(worst, count * (total - server_load.get(host, 0.0)))
-    on_host = cluster.workers_per_host()
-    for host, num_bytes in server_load.items():
-        worst = max(worst, num_bytes * (cluster.workers - on_host.get(host, 0)))
-    return worst / net.rate + (net.wire_hop_s if worst else 0.0)
 
 
 def _with_layout(cluster: Cluster, servers: int, *, colocate: bool) -> Cluster:
@@ -719,8 +701,8 @@ def _simulate_async_ps(
     total = sum(per_server)
     workers = cluster.workers
     copy = total * profile.copy_s_per_byte
-    push = _link_phase_s(cluster, per_server)
-    pull = _link_phase_s(cluster, per_server)
+    push = cluster.link_phase_s(per_server)
+    pull = cluster.link_phase_s(per_server)
     per_push = [b * (profile.aggregate_s_per_byte + profile.apply_s_per_byte) for b in per_server]
     round_trip = profile.compute_s + 2 * copy + push / workers + max(per_push) + pull / workers
     server_busy = max(workers * b for b in per_push)
@@ -757,53 +739,45 @@ def _phase_spans(profile: Profile, phases: list[tuple[str, float, str]]) -> list
 def simulate_hybrid(
     profile: Profile, cluster: Cluster, options: HybridOptions | None
 ) -> tuple[float, list[Span], float]:
+    """Dense variables as ``allreduce`` reduces them; the sparse rows (:func:`sparse_round`)
+    gathered on each host when backward ends and pushed, while the last dense buckets are
+    reduced; the dense update waits for the push to be sent; the next step's one pull
+    waits for the dense update and for the servers' update, and for the server to read
+    every worker's rows."""
     from gradsync.comm.fusion import plan_buckets
-    from gradsync.comm.sparse import PARTITION_OVERHEAD_S
 
     options = options or HybridOptions()
     dense = profile.dense_variables
-    sparse = profile.sparse_variables
     threshold = int(options.fusion_threshold_mb * 2**20)
     buckets = plan_buckets(_meta_params(dense), threshold, options.first_bucket_bytes)
     if dense:
         end, spans, moved = _bucketed_allreduce(profile, cluster, dense, buckets)
     else:
         end, spans, moved = profile.compute_s, _phase_spans(profile, []), 0.0
-    if not sparse:
+    if not profile.sparse_variables:
         return end, spans, moved
-    servers = options.num_servers(cluster.workers)
-    cluster = _with_layout(cluster, servers, colocate=options.colocate)
-    partitions = options.partitions or servers
-    busiest_share = math.ceil(partitions / servers) / partitions  # round-robin, even rows
-    per_host = cluster.busiest_worker_host() if options.local_aggregation else 1
-    push_bytes = (
-        sum(
-            min(v.num_rows, per_host * v.rows_touched) * (v.row_bytes + INDEX_BYTES) for v in sparse
-        )
-        / per_host
-    )  # per worker, after the node's sum
-    pull_bytes = sum(v.rows_touched * (v.row_bytes + INDEX_BYTES) for v in sparse)
-    push = _link_phase_s(cluster, [push_bytes * busiest_share] * servers)
-    pull = _link_phase_s(cluster, [pull_bytes * busiest_share] * servers)
-    pushers = cluster.num_hosts if options.local_aggregation else cluster.workers
-    row_bytes = sum(v.sparse_bytes for v in sparse) * busiest_share
-    apply = (
-        pushers * row_bytes * profile.aggregate_s_per_byte
-        + row_bytes * profile.apply_s_per_byte
-        + partitions * len(sparse) * PARTITION_OVERHEAD_S
-    )
-    # The rows leave when backward ends, while the last dense buckets are reduced; the
-    # next forward's one pull waits for the dense update and for the servers' apply.
+    cluster = _with_layout(cluster, options.num_servers(cluster.workers), colocate=options.colocate)
+    work = sparse_round(profile, cluster, options)
     backward = next(s for s in spans if s.name == "BACKWARD")
-    pushed = backward.start + backward.duration + push
-    applying = apply * cluster.server_slowdown
-    pull_start = max(end, pushed + applying)
+    gathered = backward.start + backward.duration + work.gather_s
+    pushed = gathered + work.push_s
+    update = next((s.start for s in spans if s.name == "OPTIMIZER_STEP"), end)
+    if pushed > update:  # the dense update waits for the rows to leave
+        spans.append(Span(COMPUTE_TRACK, "COMM_WAIT sparse rows", update, pushed - update))
+        end += pushed - update
+    applied = pushed + work.update_cpu_s * cluster.server_slowdown
+    pull_start = max(end, applied)
+    answered = work.answer_cpu_s * cluster.server_slowdown
     spans += [
-        Span(COMM_TRACK, "SPARSE_PUSH", pushed - push, push),
-        Span(SERVER_TRACK, "SPARSE_APPLY", pushed, applying, cpu_s=apply),
-        Span(COMM_TRACK, "SPARSE_PULL", pull_start, pull),
+        Span(COMM_TRACK, "SPARSE_PUSH", gathered, work.push_s),
+        Span(SERVER_TRACK, "SPARSE_APPLY", pushed, applied - pushed, cpu_s=work.update_cpu_s),
+        Span(SERVER_TRACK, "SPARSE_ANSWER", pull_start, answered, cpu_s=work.answer_cpu_s),
+        Span(COMM_TRACK, "SPARSE_PULL", pull_start, answered + work.pull_s),
     ]
-    return pull_start + pull, spans, moved + push_bytes + pull_bytes
+    if work.gather_s:
+        rows = Span(COMM_TRACK, "ALLGATHER sparse rows", gathered - work.gather_s, work.gather_s)
+        spans.append(replace(rows, num_bytes=work.gather_bytes))
+    return pull_start + answered + work.pull_s, spans, moved + work.moved
 
 
 # -- p3 ------------------------------------------------------------------------------------

@@ -322,3 +322,28 @@ def test_strategies_that_push_sparse_gradients_dense_pay_for_densifying_them() -
         for d in (0.0, 0.5)
     )
     assert costly.step_s == plain.step_s
+
+
+def test_hybrid_gathers_rows_on_the_host_then_pushes_updates_and_answers_each_pull() -> None:
+    # 2 workers on host 0, hybrid's one server on host 1, no dense variables: a step is
+    # compute (3.0 s), then the sparse round, priced from the profile's per-row times.
+    table = dataclasses.replace(
+        variable("table", 250_000, 2.0),  # 1000 rows of 1000 bytes, 10 touched a step
+        sparse=True, num_rows=1000, rows_touched=10.0,
+        merge_s_per_row=1e-3, apply_s_per_row=2e-3, read_s_per_row=3e-3,
+    )  # fmt: skip
+    hop, rate = 0.01, 1e6
+    cluster = Cluster(workers=2, network=Network(bandwidth=rate, message_s=hop), ranks_per_host=2)
+    rows = 10 * (1000 + 8)  # one worker's rows with their int64 indices
+    # three all-gathers between the 2 workers, the other's rows in, each sums 2 lists
+    gather = 3 * hop + rows / rate + 2 * 10 * 1e-3
+    push = 2 * rows / rate + hop  # the host's one pusher sends both workers' rows (summed)
+    update = 20 * 2e-3 + 20e-6  # the union of 20 rows (one pusher: nothing to add)
+    answers = 2 * 10 * 3e-3  # each worker's 10 rows read, caught up
+    pull = 2 * rows / rate + hop  # both workers' pulls cross the server's link
+    step = predict_step(profile_of([table]), cluster, StrategyChoice("hybrid", HybridOptions()))
+    assert step.step_s == pytest.approx(3.0 + gather + push + update + answers + pull)
+    without = HybridOptions(local_aggregation=False)  # each worker pushes its own rows
+    alone = predict_step(profile_of([table]), cluster, StrategyChoice("hybrid", without))
+    summed = 2 * 10 * 1e-3  # the server now adds two pushers' lists
+    assert alone.step_s == pytest.approx(3.0 + push + summed + update + answers + pull)

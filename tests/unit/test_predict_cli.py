@@ -47,6 +47,12 @@ def test_sparse_rows_are_profiled() -> None:
     assert 0 < sparse["embedding.weight"].rows_touched <= sparse["embedding.weight"].num_rows
     assert sparse["embedding.weight"].densify_s > 0  # timed: making the gradient dense
     assert all(v.densify_s == 0 for v in profile.dense_variables)
+    # hybrid's server work on those rows, timed with the server's code: sum, update, read.
+    for times in (
+        (v.merge_s_per_row, v.apply_s_per_row, v.read_s_per_row) for v in sparse.values()
+    ):
+        assert all(t > 0 for t in times)
+    assert all(v.apply_s_per_row == 0 for v in profile.dense_variables)
 
 
 def test_predict_writes_table_json_plots_and_trace(tiny_profile: Path, tmp_path: Path) -> None:
