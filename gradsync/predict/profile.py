@@ -54,9 +54,11 @@ class VariableProfile:
     ``merge_s_per_row`` of summing two workers' rows (a node's or a server's aggregation,
     an all-gather's sum), ``apply_s_per_row`` of momentum SGD on their union (``hybrid``'s
     server, rows caught up first), and ``read_s_per_row`` of reading one worker's rows for
-    its pull. ``row_bins``: the share of a step's rows in each of :data:`ROW_BINS` equal
-    ranges of rows, first to last (where the rows a step touches lie: a server owns ranges
-    of rows; () where not measured: evenly spread).
+    its pull; ``apply_call_s`` and ``read_call_s``, the fixed seconds of one such update and
+    read (a server makes one per partition it holds), left out of the per-row times.
+    ``row_bins``: the share of a step's rows in each of :data:`ROW_BINS` equal ranges of
+    rows, first to last (where the rows a step touches lie: a server owns ranges of rows;
+    () where not measured: evenly spread).
     """
 
     name: str
@@ -72,6 +74,8 @@ class VariableProfile:
     merge_s_per_row: float = 0.0
     apply_s_per_row: float = 0.0
     read_s_per_row: float = 0.0
+    apply_call_s: float = 0.0
+    read_call_s: float = 0.0
     row_bins: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
@@ -116,7 +120,10 @@ class VariableProfile:
 
 
 ROW_BINS = 16  # equal row ranges of a sparse variable over which its touched rows are counted
-SPARSE_TIMES = ("densify_s", "coalesce_s", "merge_s_per_row", "apply_s_per_row", "read_s_per_row")
+SPARSE_TIMES = (
+    "densify_s", "coalesce_s", "merge_s_per_row", "apply_s_per_row", "read_s_per_row",
+    "apply_call_s", "read_call_s",
+)  # fmt: skip
 
 
 def _mean_bins(bins: list[tuple[float, ...]]) -> tuple[float, ...]:
@@ -597,7 +604,9 @@ class _SparseRowWork:
     in a ``hybrid`` server's order, this step's rows read (``read:``, a pull: rows not
     updated last step are caught up first), the rows of this step and of the step before
     (standing in for a second worker's) summed (``merge:``), and their union applied under
-    momentum SGD to a copy of the table (``apply:``); these three in seconds per row.
+    momentum SGD to a copy of the table (``apply:``); these three in seconds per row, the
+    read and the update less a call's fixed cost (``read-call:``, ``apply-call:``: one row
+    on a scratch table), which a server pays once per partition it holds.
 
     Example:
         >>> # work = _SparseRowWork(momentum=0.9); work.measure(name, param, clock)
@@ -607,18 +616,18 @@ class _SparseRowWork:
         self.momentum = momentum
         self.tables: dict[str, Any] = {}
         self.previous: dict[str, Any] = {}
+        self.scratch: dict[str, Any] = {}
 
     def measure(self, name: str, param: Any, clock: _StepClock) -> None:
         import torch
 
         from gradsync.comm.lazy import LazyMomentumRows
-        from gradsync.comm.sparse import coalesce_rows, sum_rows
+        from gradsync.comm.sparse import coalesce_rows
 
         num_rows = param.shape[0]
         if name not in self.tables:
             values = param.detach().reshape(num_rows, -1).clone()
             self.tables[name] = LazyMomentumRows(values, momentum=self.momentum)
-        table = self.tables[name]
         started = time.perf_counter()
         mine = coalesce_rows(param.grad, num_rows)
         clock.record(f"coalesce:{name}", time.perf_counter() - started)
@@ -627,16 +636,44 @@ class _SparseRowWork:
             clock.record(f"bin{i}:{name}", share)
         other = self.previous.get(name, mine)
         self.previous[name] = mine
+        self._time_server(name, mine, other, clock)
+
+    def _time_server(self, name: str, mine: Any, other: Any, clock: _StepClock) -> None:
+        """A server's round on ``mine`` (this step's rows) and ``other`` (a second
+        worker's): read, sum, update; per row, less a call's fixed cost."""
+        from gradsync.comm.sparse import sum_rows
+
+        table = self.tables[name]
         started = time.perf_counter()
         table.read(mine[0])  # the pull of this step comes before its update
         read = time.perf_counter()
-        rows, grad = sum_rows([mine, other], num_rows)
+        rows, grad = sum_rows([mine, other], len(table.values))
         merged = time.perf_counter()
         table.apply(rows, grad, lr=1e-3)
         applied = time.perf_counter()
-        clock.record(f"read:{name}", (read - started) / max(1, len(mine[0])))
+        read_call, apply_call = self._call_costs(name, table.values.shape[1])
+        clock.record(f"read-call:{name}", read_call)
+        clock.record(f"apply-call:{name}", apply_call)
+        clock.record(f"read:{name}", max(0.0, read - started - read_call) / max(1, len(mine[0])))
         clock.record(f"merge:{name}", (merged - read) / max(1, len(mine[0]) + len(other[0])))
-        clock.record(f"apply:{name}", (applied - merged) / max(1, len(rows)))
+        clock.record(f"apply:{name}", max(0.0, applied - merged - apply_call) / max(1, len(rows)))
+
+    def _call_costs(self, name: str, width: int) -> tuple[float, float]:
+        """Seconds of a read and of an update of one row behind (a call's fixed cost: a
+        server runs one per partition it holds), on a small scratch table as wide."""
+        import torch
+
+        from gradsync.comm.lazy import LazyMomentumRows
+
+        scratch = self.scratch.setdefault(
+            name, LazyMomentumRows(torch.zeros(2, width), momentum=self.momentum)
+        )
+        row = torch.tensor([scratch.count % 2])  # last updated two steps ago: behind
+        started = time.perf_counter()
+        scratch.read(row)
+        read = time.perf_counter()
+        scratch.apply(row, torch.ones(1, width), lr=1e-3)
+        return read - started, time.perf_counter() - read
 
 
 def _assemble(
@@ -668,6 +705,8 @@ def _assemble(
             merge_s_per_row=clock.median(f"merge:{name}", warmup),
             apply_s_per_row=clock.median(f"apply:{name}", warmup),
             read_s_per_row=clock.median(f"read:{name}", warmup),
+            apply_call_s=clock.median(f"apply-call:{name}", warmup),
+            read_call_s=clock.median(f"read-call:{name}", warmup),
             row_bins=_row_bins(clock, name, warmup) if name in sparse else (),
         )
         for name, param in params.items()

@@ -331,6 +331,7 @@ def test_hybrid_gathers_rows_on_the_host_then_pushes_updates_and_answers_each_pu
         variable("table", 250_000, 2.0),  # 1000 rows of 1000 bytes, 10 touched a step
         sparse=True, num_rows=1000, rows_touched=10.0,
         merge_s_per_row=1e-3, apply_s_per_row=2e-3, read_s_per_row=3e-3,
+        apply_call_s=0.1, read_call_s=0.2,  # a call's fixed cost, once per partition
     )  # fmt: skip
     hop, rate = 0.01, 1e6
     cluster = Cluster(workers=2, network=Network(bandwidth=rate, message_s=hop), ranks_per_host=2)
@@ -338,8 +339,8 @@ def test_hybrid_gathers_rows_on_the_host_then_pushes_updates_and_answers_each_pu
     # three all-gathers between the 2 workers, the other's rows in, each sums 2 lists
     gather = 3 * hop + rows / rate + 2 * 10 * 1e-3
     push = 2 * rows / rate + hop  # the host's one pusher sends both workers' rows (summed)
-    update = 20 * 2e-3 + 20e-6  # the union of 20 rows (one pusher: nothing to add)
-    answers = 2 * 10 * 3e-3  # each worker's 10 rows read, caught up
+    update = 0.1 + 20 * 2e-3  # the union of 20 rows (one pusher: nothing to add)
+    answers = 2 * (0.2 + 10 * 3e-3)  # each worker's 10 rows read, caught up
     pull = 2 * rows / rate + hop  # both workers' pulls cross the server's link
     step = predict_step(profile_of([table]), cluster, StrategyChoice("hybrid", HybridOptions()))
     assert step.step_s == pytest.approx(3.0 + gather + push + update + answers + pull)
@@ -347,3 +348,26 @@ def test_hybrid_gathers_rows_on_the_host_then_pushes_updates_and_answers_each_pu
     alone = predict_step(profile_of([table]), cluster, StrategyChoice("hybrid", without))
     summed = 2 * 10 * 1e-3  # the server now adds two pushers' lists
     assert alone.step_s == pytest.approx(3.0 + push + summed + update + answers + pull)
+
+
+def test_hybrid_is_paced_by_the_server_that_holds_most_of_the_rows() -> None:
+    # 2 workers on 2 hosts, 2 dedicated servers, one partition each (rows 0–499, 500–999).
+    # Rows spread evenly, each server takes half of every cost; all rows in the first half
+    # of the table, server 0 takes all of it.
+    table = dataclasses.replace(
+        variable("table", 250_000, 2.0),
+        sparse=True, num_rows=1000, rows_touched=10.0,
+        merge_s_per_row=1e-3, apply_s_per_row=2e-3, read_s_per_row=3e-3,
+    )  # fmt: skip
+    rate = 1e6
+    cluster = Cluster(workers=2, network=Network(bandwidth=rate, message_s=0.01))
+    hybrid = StrategyChoice("hybrid", HybridOptions(servers=2))
+    even, skewed = (
+        predict_step(profile_of([dataclasses.replace(table, row_bins=bins)]), cluster, hybrid)
+        for bins in ((0.5, 0.5), (1.0, 0.0))
+    )
+    rows = 10 * (1000 + 8)
+    links = 2 * rows / rate  # server 0's link takes both workers' whole push, then pull
+    update = 0.5 * (2 * 10 * 1e-3 + 20 * 2e-3)  # the other half of: sum 2 lists, update 20
+    answers = 0.5 * 2 * 10 * 3e-3  # the other half of reading each worker's 10 rows
+    assert skewed.step_s - even.step_s == pytest.approx(links + update + answers)
