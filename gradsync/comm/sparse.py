@@ -171,8 +171,8 @@ def gather_rows_on_node(
     ``num_rows``' order), summed in member order (the same sum on every run), whether any
     member had a gradient per variable, and the bytes this rank moved.
 
-    Three all-gathers: the row counts and flags, then the indices and values padded to
-    the longest member's.
+    Two all-gathers: the row counts and flags, then each member's indices and values as
+    one byte buffer (indices first), padded to the longest member's.
     """
     names = list(num_rows)
     counts = torch.tensor(
@@ -183,25 +183,20 @@ def gather_rows_on_node(
     widths = [rows[n][1].shape[1] for n in names]  # values are [rows, row_numel]
     anywhere = {n: any(int(c[len(names) + i]) for c in all_counts) for i, n in enumerate(names)}
     all_counts = [c[: len(names)] for c in all_counts]
-    max_idx = max(int(c.sum()) for c in all_counts)
-    max_val = max(sum(int(k) * w for k, w in zip(c, widths, strict=True)) for c in all_counts)
-    idx = torch.zeros(max_idx, dtype=torch.long)
-    val = torch.zeros(max_val)
-    flat_idx = torch.cat([rows[n][0] for n in names])
     flat_val = torch.cat([rows[n][1].reshape(-1) for n in names])
-    idx[: len(flat_idx)] = flat_idx
-    val[: len(flat_val)] = flat_val
-    all_idx = [torch.empty_like(idx) for _ in node.ranks]
-    all_val = [torch.empty_like(val) for _ in node.ranks]
-    dist.all_gather(all_idx, idx, group=node.group)
-    dist.all_gather(all_val, val, group=node.group)
-    moved = (len(node.ranks) - 1) * (
-        idx.numel() * 8 + val.numel() * val.element_size() + counts.numel() * 8
-    )
+    sizes = [_packed_size(c, widths, flat_val.element_size()) for c in all_counts]
+    packed = torch.zeros(max(sizes), dtype=torch.uint8)
+    mine = _pack_bytes(torch.cat([rows[n][0] for n in names]), flat_val)
+    packed[: len(mine)] = mine
+    everyone = [torch.empty_like(packed) for _ in node.ranks]
+    dist.all_gather(everyone, packed, group=node.group)
+    moved = (len(node.ranks) - 1) * (packed.numel() + counts.numel() * 8)
     per_member: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
-    for member_counts, member_idx, member_val in zip(all_counts, all_idx, all_val, strict=True):
+    for member_counts, member_bytes in zip(all_counts, everyone, strict=True):
+        counted = member_counts.tolist()
+        member_idx, member_val = _unpack_bytes(member_bytes, sum(counted), flat_val.dtype)
         i_off = v_off = 0
-        for n, k, w in zip(names, member_counts.tolist(), widths, strict=True):
+        for n, k, w in zip(names, counted, widths, strict=True):
             per_member[n].append(
                 (member_idx[i_off : i_off + k], member_val[v_off : v_off + k * w].view(k, w))
             )
@@ -209,6 +204,35 @@ def gather_rows_on_node(
             v_off += k * w
     merged = {n: sum_rows(per_member[n], num_rows[n]) for n in names}
     return merged, anywhere, moved
+
+
+def _packed_size(counts: Tensor, widths: list[int], value_size: int) -> int:
+    """Bytes of a member's packed rows: its int64 indices, then its values."""
+    counted = counts.tolist()
+    return sum(counted) * 8 + sum(k * w for k, w in zip(counted, widths, strict=True)) * value_size
+
+
+def _pack_bytes(indices: Tensor, values: Tensor) -> Tensor:
+    """``indices`` (int64) then ``values`` as one uint8 tensor (their bytes, exactly).
+
+    Example:
+        >>> packed = _pack_bytes(torch.tensor([3, 1]), torch.tensor([0.5, -2.0]))
+        >>> idx, val = _unpack_bytes(packed, 2, torch.float32)
+        >>> idx.tolist(), val.tolist()
+        ([3, 1], [0.5, -2.0])
+    """
+    return torch.cat(
+        [indices.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)]
+    )
+
+
+def _unpack_bytes(packed: Tensor, num_indices: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`_pack_bytes` (trailing padding ignored)."""
+    split = num_indices * 8
+    size = torch.tensor([], dtype=dtype).element_size()
+    values = packed[split:]
+    values = values[: len(values) - len(values) % size]
+    return packed[:split].view(torch.int64), values.view(dtype)
 
 
 # -- the partition-count chooser ----------------------------------------------------------

@@ -15,9 +15,10 @@ parameter servers, dense variables through allreduce.
   rows per node (local aggregation), the node's first worker pushes them; servers average
   (``--no-average-sparse``: sum), apply SGD to those rows, and answer pulls.
 - Pulls: one round trip per step. Before the forward, the rows every table will read are
-  predicted from the forward's integer inputs (:mod:`gradsync.comm.prefetch`: learned each
-  step from which inputs fed which lookups, e.g. ``lstm-lm``'s token ids feed the
-  embedding, its targets and sampled candidates the softmax tables) and pulled in one
+  predicted from the forward's integer inputs (:mod:`gradsync.comm.prefetch`: learned, in
+  a step where a lookup read rows not predicted, from which inputs fed which lookups, e.g.
+  ``lstm-lm``'s token ids feed the embedding, its targets and sampled candidates the
+  softmax tables) and pulled in one
   request per server. Each lookup then checks that its rows were pulled and pulls only
   those that were not (the first steps, indices made inside the forward), so a wrong
   prediction costs a round trip, never a stale row.
@@ -385,6 +386,7 @@ class Hybrid(ServerStrategy):
         self.predictor = RowPredictor({n: self.params[n].shape[0] for n in self.sparse_names})
         self._inputs: dict[str, Tensor] = {}  # this step's integer forward inputs
         self._read: dict[str, list[Tensor]] = {}  # rows each table's lookups read this step
+        self._missed = True  # a lookup read rows not predicted: learn the prediction anew
         self._fresh: dict[str, Tensor] = {}  # rows pulled for step _fresh_step
         self._fresh_step = -1
         # Before the forward: every table's predicted rows in one pull; then each lookup
@@ -480,6 +482,7 @@ class Hybrid(ServerStrategy):
         fresh = self._fresh.get(name) if self._fresh_step == self._step else None
         missing = missing_rows(rows, fresh)
         if len(missing):
+            self._missed = True
             self._pull({name: missing})
 
     def _pull(self, rows: dict[str, Tensor]) -> None:
@@ -580,17 +583,19 @@ class Hybrid(ServerStrategy):
         self.updater.update()
 
     def _sync_sparse(self, lr: float) -> None:
-        """Push this step's sparse rows (starting the servers at the first step) and learn
-        the next step's prefetch from the rows the lookups read."""
+        """Push this step's sparse rows (starting the servers at the first step) and, where
+        a lookup read rows that were not predicted (the first step, a changed model path),
+        learn the next step's prefetch from the rows the lookups read."""
         rows, present = self._local_rows()
         if not self._connected:
             self._connect({n: r[0] for n, r in rows.items()})
         # The training thread waits for the node's row sum and the push: exposed.
         with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT, tensor="sparse rows"):
             self._push(rows, present, lr)
-        read = {n: torch.unique(torch.cat(r)) for n, r in self._read.items()}
-        self.predictor.learn(read, self._inputs)
-        self._read = {}
+        if self._missed:  # a prediction that covered every read stays: it costs nothing
+            read = {n: torch.unique(torch.cat(r)) for n, r in self._read.items()}
+            self.predictor.learn(read, self._inputs)
+        self._read, self._missed = {}, False
 
     def _push(
         self, rows: dict[str, tuple[Tensor, Tensor]], present: dict[str, bool], lr: float
