@@ -3,8 +3,8 @@ servers' sum, update and pull answers, and the pull (:func:`sparse_round`).
 
 ``hybrid`` (:mod:`gradsync.strategies.hybrid`, :mod:`gradsync.comm.sparse`) moves the rows
 a step touched of each sparse variable through partitioned servers. With local
-aggregation the workers of a host first gather their rows (three all-gathers: counts,
-indices, values) and each sums them; one of them pushes the sum. A server sums its
+aggregation the workers of a host first gather their rows (two all-gathers: counts, then
+indices and values as one buffer) and each sums them; one of them pushes the sum. A server sums its
 pushers' rows, applies momentum SGD to their union, and answers each worker's pull of the
 rows its next step reads, each row caught up first.
 
@@ -25,7 +25,7 @@ from gradsync.predict.profile import Profile, VariableProfile
 from gradsync.strategies.hybrid import HybridOptions
 
 INDEX_BYTES = 8  # int64 row indices of sparse pushes and pulls
-GATHER_COLLECTIVES = 3  # counts and flags, indices, values (comm.sparse.gather_rows_on_node)
+GATHER_COLLECTIVES = 2  # counts and flags, then the rows (comm.sparse.gather_rows_on_node)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def sparse_round(profile: Profile, cluster: Cluster, options: HybridOptions) -> 
     gather_s, gather_bytes = _node_gather(profile, cluster, per_host)
     push_s = cluster.link_phase_s(loads.pushed) + _worker_transport_s(cluster, loads.pushed) / 2
     pull_s = cluster.link_phase_s(loads.pulled) + _worker_transport_s(cluster, loads.pulled)
-    messages = _messages_per_worker(cluster, len(loads.pushed), options.colocate)
+    messages = _messages_per_worker(len(loads.pushed), options.colocate)
     return SparseRound(
         gather_s=gather_s,
         gather_bytes=gather_bytes,
@@ -136,7 +136,7 @@ def _update_call_s(variable: VariableProfile) -> float:
     return variable.apply_call_s if _measured(variable) else PARTITION_OVERHEAD_S
 
 
-def _messages_per_worker(cluster: Cluster, servers: int, colocate: bool) -> int:
+def _messages_per_worker(servers: int, colocate: bool) -> int:
     """Server-transport messages one worker sends in a push (one per server; a colocated
     worker hands its own server's share over in memory)."""
     return servers - 1 if colocate else servers
@@ -257,7 +257,7 @@ def rows_cpu_s(profile: Profile, lists: int) -> float:
 def _node_gather(profile: Profile, cluster: Cluster, per_host: int) -> tuple[float, float]:
     """Seconds from the end of backward until a host's rows are summed, and the bytes its
     gather sends over the whole job: each worker coalesces its rows; with ``per_host`` > 1
-    workers, three blocking all-gathers (each member's rows to every other), then each
+    workers, two blocking all-gathers (each member's rows to every other), then each
     member sums ``per_host`` lists."""
     if per_host < 2:
         return rows_cpu_s(profile, 1), 0.0

@@ -336,8 +336,8 @@ def test_hybrid_gathers_rows_on_the_host_then_pushes_updates_and_answers_each_pu
     hop, rate = 0.01, 1e6
     cluster = Cluster(workers=2, network=Network(bandwidth=rate, message_s=hop), ranks_per_host=2)
     rows = 10 * (1000 + 8)  # one worker's rows with their int64 indices
-    # three all-gathers between the 2 workers, the other's rows in, each sums 2 lists
-    gather = 3 * hop + rows / rate + 2 * 10 * 1e-3
+    # two all-gathers between the 2 workers, the other's rows in, each sums 2 lists
+    gather = 2 * hop + rows / rate + 2 * 10 * 1e-3
     push = 2 * rows / rate + hop  # the host's one pusher sends both workers' rows (summed)
     update = 0.1 + 20 * 2e-3  # the union of 20 rows (one pusher: nothing to add)
     answers = 2 * (0.2 + 10 * 3e-3)  # each worker's 10 rows read, caught up
