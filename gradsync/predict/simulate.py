@@ -774,8 +774,9 @@ def simulate_hybrid(
         Span(SERVER_TRACK, "SPARSE_ANSWER", pull_start, answered, cpu_s=work.answer_cpu_s),
         Span(COMM_TRACK, "SPARSE_PULL", pull_start, answered + work.pull_s),
     ]
-    if work.gather_s:
-        rows = Span(COMM_TRACK, "ALLGATHER sparse rows", gathered - work.gather_s, work.gather_s)
+    if work.gather_s:  # the node's gather where workers share a host, else coalescing only
+        name = "ALLGATHER sparse rows" if work.gather_bytes else "COALESCE sparse rows"
+        rows = Span(COMM_TRACK, name, gathered - work.gather_s, work.gather_s)
         spans.append(replace(rows, num_bytes=work.gather_bytes))
     return pull_start + answered + work.pull_s, spans, moved + work.moved
 
