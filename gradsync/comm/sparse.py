@@ -229,9 +229,8 @@ def _pack_bytes(indices: Tensor, values: Tensor) -> Tensor:
 def _unpack_bytes(packed: Tensor, num_indices: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The inverse of :func:`_pack_bytes` (trailing padding ignored)."""
     split = num_indices * 8
-    size = torch.tensor([], dtype=dtype).element_size()
     values = packed[split:]
-    values = values[: len(values) - len(values) % size]
+    values = values[: len(values) - len(values) % dtype.itemsize]
     return packed[:split].view(torch.int64), values.view(dtype)
 
 

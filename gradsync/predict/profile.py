@@ -553,7 +553,7 @@ class _StepClock:
         return time.perf_counter()
 
     def _mark(self, key: str, origin: float) -> None:
-        self.samples.setdefault(key, []).append(self._now() - origin)
+        self.record(key, self._now() - origin)
 
     def watch_layers(self, modules: list[Any]) -> None:
         for index, module in enumerate(modules):
@@ -574,12 +574,16 @@ class _StepClock:
     def measure_sparse_gradients(self, params: dict[str, Any], server: _SparseRowWork) -> None:
         """Rows each sparse gradient touches, how long making it dense takes, and what
         ``hybrid``'s server does with them (``server``)."""
+        from gradsync.comm.sparse import coalesce_rows
+
         for name, param in params.items():
             if param.grad is not None and param.grad.is_sparse:
-                rows = param.grad.coalesce().indices()[0].unique().numel()
-                self.record(f"rows:{name}", float(rows))
+                started = time.perf_counter()
+                rows = coalesce_rows(param.grad, param.shape[0])  # sorted unique rows
+                self.record(f"coalesce:{name}", time.perf_counter() - started)
+                self.record(f"rows:{name}", float(len(rows[0])))
                 self.time(param.grad.to_dense, f"densify:{name}")
-                server.measure(name, param, self)
+                server.measure(name, param, rows, self)
 
     def record(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
@@ -600,16 +604,17 @@ class _SparseRowWork:
     profiled steps' rows with their code (:mod:`gradsync.comm.sparse`,
     :mod:`gradsync.comm.lazy`).
 
-    Per step and variable: the gradient coalesced into rows (``coalesce:``, seconds); then,
-    in a ``hybrid`` server's order, this step's rows read (``read:``, a pull: rows not
-    updated last step are caught up first), the rows of this step and of the step before
-    (standing in for a second worker's) summed (``merge:``), and their union applied under
-    momentum SGD to a copy of the table (``apply:``); these three in seconds per row, the
+    Per step and variable, given its gradient coalesced into rows (timed by the caller as
+    ``coalesce:``): where the rows lie (``bin<i>:``); then, in a ``hybrid`` server's
+    order, this step's rows read (``read:``, a pull: rows not updated last step are caught
+    up first), the rows of this step and of the step before (standing in for a second
+    worker's) summed (``merge:``), and their union applied under momentum SGD to a copy of
+    the table (``apply:``); these three in seconds per row, the
     read and the update less a call's fixed cost (``read-call:``, ``apply-call:``: one row
     on a scratch table), which a server pays once per partition it holds.
 
     Example:
-        >>> # work = _SparseRowWork(momentum=0.9); work.measure(name, param, clock)
+        >>> # work = _SparseRowWork(momentum=0.9); work.measure(name, param, rows, clock)
     """
 
     def __init__(self, momentum: float) -> None:
@@ -618,19 +623,17 @@ class _SparseRowWork:
         self.previous: dict[str, Any] = {}
         self.scratch: dict[str, Any] = {}
 
-    def measure(self, name: str, param: Any, clock: _StepClock) -> None:
+    def measure(self, name: str, param: Any, mine: Any, clock: _StepClock) -> None:
+        """Time the server's work on ``mine``, this step's coalesced (rows, values) of
+        ``param``, and record where the rows lie."""
         import torch
 
         from gradsync.comm.lazy import LazyMomentumRows
-        from gradsync.comm.sparse import coalesce_rows
 
         num_rows = param.shape[0]
         if name not in self.tables:
             values = param.detach().reshape(num_rows, -1).clone()
             self.tables[name] = LazyMomentumRows(values, momentum=self.momentum)
-        started = time.perf_counter()
-        mine = coalesce_rows(param.grad, num_rows)
-        clock.record(f"coalesce:{name}", time.perf_counter() - started)
         bins = torch.bincount(mine[0] * ROW_BINS // num_rows, minlength=ROW_BINS)
         for i, share in enumerate((bins / max(1, len(mine[0]))).tolist()):
             clock.record(f"bin{i}:{name}", share)

@@ -57,8 +57,7 @@ def sparse_round(profile: Profile, cluster: Cluster, options: HybridOptions) -> 
     Where the hosts share cores, the servers' work and the transport's CPU for a phase's
     messages take at least their sum spread over the cores."""
     loads = _server_loads(profile, cluster, options)
-    per_host = cluster.busiest_worker_host() if options.local_aggregation else 1
-    pushers = cluster.num_hosts if options.local_aggregation else cluster.workers
+    per_host, pushers = _aggregation(cluster, options)
     gather_s, gather_bytes = _node_gather(profile, cluster, per_host)
     push_s = cluster.link_phase_s(loads.pushed) + _worker_transport_s(cluster, loads.pushed) / 2
     pull_s = cluster.link_phase_s(loads.pulled) + _worker_transport_s(cluster, loads.pulled)
@@ -72,6 +71,14 @@ def sparse_round(profile: Profile, cluster: Cluster, options: HybridOptions) -> 
         pull_s=max(pull_s, _cpu_floor(cluster, cluster.workers, sum(loads.pulled), 2 * messages)),
         moved=sum(loads.pushed) + sum(loads.pulled),
     )
+
+
+def _aggregation(cluster: Cluster, options: HybridOptions) -> tuple[int, int]:
+    """The most workers whose rows one push carries (a host's, with local aggregation),
+    and how many pushers there are (one per host with it, else every worker)."""
+    if options.local_aggregation:
+        return cluster.busiest_worker_host(), cluster.num_hosts
+    return 1, cluster.workers
 
 
 @dataclass(frozen=True)
@@ -90,8 +97,7 @@ def _server_loads(profile: Profile, cluster: Cluster, options: HybridOptions) ->
     sparse = profile.sparse_variables
     servers = options.num_servers(cluster.workers)
     holdings = server_holdings(sparse, options.partitions or servers, servers)
-    per_host = cluster.busiest_worker_host() if options.local_aggregation else 1
-    pushers = cluster.num_hosts if options.local_aggregation else cluster.workers
+    per_host, pushers = _aggregation(cluster, options)
     pushed_rows = {v.name: min(v.num_rows, per_host * v.rows_touched) for v in sparse}
     row_bytes = {v.name: v.row_bytes + INDEX_BYTES for v in sparse}
 
