@@ -417,7 +417,9 @@ def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:
 def _sibling_steps(request: ProfileRequest, stop: Any, ready: Any) -> None:
     import torch
 
+    from gradsync.config import OptimConfig
     from gradsync.models import build_workload
+    from gradsync.optim import Updater
 
     torch.set_num_threads(request.threads)
     torch.set_default_dtype(getattr(torch, request.dtype))
@@ -429,15 +431,15 @@ def _sibling_steps(request: ProfileRequest, stop: Any, ready: Any) -> None:
     )
     _use_batchnorm(workload.model, request.batchnorm)
     batch = request.batch or max(1, workload.global_batch // request.workers)
-    optimizer = torch.optim.SGD(workload.model.parameters(), lr=1e-3)
+    # The profiled worker's optimizer, momentum and all: a sibling works as hard as it does.
+    updater = Updater(workload.model.parameters(), OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
     parent = os.getppid()
     ready.release()
     step = 0
     while not stop.is_set() and os.getppid() == parent:  # ends with its parent, killed or not
         data = workload.dataset.batch(step=step, size=batch, start=0, stop=batch)
         workload.loss(workload.model(*data.inputs, **data.shared), data.targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        updater.update()
         step += 1
 
 

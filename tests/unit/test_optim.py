@@ -126,3 +126,56 @@ def test_updater_accepts_a_generator_of_parameters():
     model = nn.Linear(2, 2)
     updater = Updater((p for p in model.parameters()), OptimConfig(name="sgd"), lr=0.1)
     assert len(updater.optimizer.param_groups[0]["params"]) == 2
+
+
+def _sparse_table_steps(table: nn.Embedding, updater: Updater, lookups: list[torch.Tensor]) -> None:
+    for rows in lookups:
+        table(rows).sin().sum().backward()
+        updater.update()
+
+
+def _lookups(steps: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (12,), generator=generator) for _ in range(steps)]
+
+
+def test_a_sparse_gradients_momentum_stays_the_size_of_its_table_and_moves_as_torchs():
+    """torch's SGD keeps a sparse buffer that grows by each step's rows (its cost and memory
+    grow with the run); the Updater's is dense from the first step, with the same values."""
+    torch.manual_seed(0)
+    table = nn.Embedding(50, 3, sparse=True, dtype=torch.float64)
+    reference = nn.Embedding(50, 3, sparse=True, dtype=torch.float64)
+    reference.load_state_dict(table.state_dict())
+    updater = Updater(table.parameters(), OptimConfig(name="sgd", momentum=0.9), lr=0.1)
+    torchs = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for rows in _lookups(40, seed=1):
+        table(rows).sin().sum().backward()
+        updater.update()
+        buffer = updater.optimizer.state[table.weight]["momentum_buffer"]
+        assert not buffer.is_sparse and buffer.shape == table.weight.shape
+        reference(rows).sin().sum().backward()
+        torchs.step()
+        torchs.zero_grad()
+    grown = torchs.state[reference.weight]["momentum_buffer"]
+    assert grown.is_sparse and grown._nnz() > 5 * 50  # entries: 5× the table's rows
+    assert torch.allclose(buffer, grown.to_dense(), atol=1e-12, rtol=0)
+    assert torch.allclose(table.weight, reference.weight, atol=1e-12, rtol=0)
+
+
+def test_a_sparse_tables_momentum_resumes_bit_for_bit():
+    """A checkpoint stores the buffer dense; the uninterrupted run's is dense as well, so
+    the run and its resumption do the same arithmetic."""
+    from gradsync.checkpoint import load_model_state, model_state
+
+    torch.manual_seed(0)
+    config = OptimConfig(name="sgd", momentum=0.9)
+    table = nn.Embedding(50, 3, sparse=True)
+    updater = Updater(table.parameters(), config, lr=0.1)
+    first, rest = _lookups(10, seed=2), _lookups(10, seed=3)
+    _sparse_table_steps(table, updater, first)
+    resumed = nn.Embedding(50, 3, sparse=True)
+    resumed_updater = Updater(resumed.parameters(), config, lr=0.1)
+    load_model_state(resumed, resumed_updater.optimizer, model_state(table, updater.optimizer))
+    _sparse_table_steps(table, updater, rest)
+    _sparse_table_steps(resumed, resumed_updater, rest)
+    assert torch.equal(table.weight, resumed.weight)
