@@ -168,6 +168,10 @@ class Profile:
     # A server's fixed CPU cost per round (one chunk or slice: sum, optimizer call, answer
     # copy), on top of the per-byte costs; 0 in profiles taken before it was measured.
     server_round_s: float = 0.0
+    # `Updater.update()` over the dense variables alone, as a `hybrid` worker runs it (its
+    # sparse tables live on the servers); 0 for a model without sparse variables and in
+    # profiles taken before session 20.
+    dense_optimizer_s: float = 0.0
     layers: tuple[LayerProfile, ...]
     variables: tuple[VariableProfile, ...]
     # Channels of each BatchNorm layer, in model order: with global BatchNorm (gradsync's
@@ -217,6 +221,7 @@ class Profile:
             forward_s=self.forward_s / factor,
             backward_s=self.backward_s / factor,
             optimizer_s_per_byte=self.optimizer_s_per_byte / factor,
+            dense_optimizer_s=self.dense_optimizer_s / factor,
             copy_s_per_byte=self.copy_s_per_byte / factor,
             layers=tuple(
                 dataclasses.replace(layer, forward_start_s=layer.forward_start_s / factor)
@@ -266,6 +271,7 @@ class Profile:
             for key in (
                 "forward_s", "backward_s", "optimizer_s_per_byte", "copy_s_per_byte",
                 "aggregate_s_per_byte", "apply_s_per_byte", "server_round_s",
+                "dense_optimizer_s",
             )
         }  # fmt: skip
         layers = tuple(
@@ -450,6 +456,7 @@ def _measure(request: ProfileRequest) -> Profile:
     from gradsync.config import OptimConfig
     from gradsync.models import build_workload
     from gradsync.optim import Updater
+    from gradsync.probe import sparse_lookup_weights
 
     if request.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; profile on cpu")
@@ -469,7 +476,11 @@ def _measure(request: ProfileRequest) -> Profile:
     channels = _use_batchnorm(model, request.batchnorm)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    updater = Updater(params.values(), OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
+    config = OptimConfig(name=request.optimizer)  # type: ignore[arg-type]
+    updater = Updater(params.values(), config, lr=1e-3)
+    sparse = sparse_lookup_weights(model)
+    dense = {n: p for n, p in params.items() if n not in sparse} if sparse else {}
+    dense_updater = Updater(dense.values(), config, lr=1e-3) if dense else None
     clock = _StepClock(params, device)
     server = _SparseRowWork(OptimConfig(name=request.optimizer).momentum)  # type: ignore[arg-type]
     order = LayerOrder(model)
@@ -486,10 +497,13 @@ def _measure(request: ProfileRequest) -> Profile:
             layers = order.finish()
             clock.watch_layers(layers.modules)
         clock.measure_sparse_gradients(params, server)
+        grads = {n: p.grad.clone() for n, p in dense.items() if p.grad is not None}
         clock.time(lambda: updater.update(), "optimizer")
-    from gradsync.probe import sparse_lookup_weights
-
-    profile = _assemble(request, batch, clock, layers, params, sparse_lookup_weights(model))
+        if dense_updater is not None:  # the same gradients, stepped as hybrid's worker does
+            for name, grad in grads.items():
+                dense[name].grad = grad
+            clock.time(lambda: dense_updater.update(), "optimizer:dense")
+    profile = _assemble(request, batch, clock, layers, params, sparse)
     return dataclasses.replace(
         profile,
         batchnorm_channels=channels,
@@ -731,6 +745,7 @@ def _assemble(
         forward_s=clock.median("forward", warmup),
         backward_s=clock.median("backward", warmup),
         optimizer_s_per_byte=clock.median("optimizer", warmup) / max(1, total_bytes),
+        dense_optimizer_s=clock.median("optimizer:dense", warmup),
         copy_s_per_byte=copy,
         aggregate_s_per_byte=aggregate,
         apply_s_per_byte=apply,

@@ -351,9 +351,12 @@ def _bucketed_allreduce(
     wire_element_size: int | None = None,
     sparse: tuple[VariableProfile, ...] = (),
     sparse_per_variable: bool = False,
+    optimizer_s: float | None = None,
 ) -> tuple[float, list[Span], float]:
     """Buckets launched in order as their last gradient is ready, one ring at a time; then
-    the rows of ``sparse`` variables, allgathered (see :func:`_row_allgather`)."""
+    the rows of ``sparse`` variables, allgathered (see :func:`_row_allgather`). The
+    optimizer steps every variable at the profile's cost per byte, or takes
+    ``optimizer_s`` where that was measured for the variables the worker updates."""
     spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
     backward_start = profile.forward_s
     shift = comm_free = last_launch = moved = 0.0
@@ -388,7 +391,9 @@ def _bucketed_allreduce(
     synced = _backward_then_wait(spans, backward_start, profile.backward_s + shift, comm_free)
     dense_bytes = sum(v.num_bytes for v in variables)
     copy_out = dense_bytes * profile.copy_s_per_byte
-    update = (dense_bytes + sum(v.num_bytes for v in sparse)) * profile.optimizer_s_per_byte
+    update = optimizer_s or (dense_bytes + sum(v.num_bytes for v in sparse)) * (
+        profile.optimizer_s_per_byte
+    )
     spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_FUSION_BUFFER", synced, copy_out))
     spans.append(Span(COMPUTE_TRACK, "OPTIMIZER_STEP", synced + copy_out, update))
     return synced + copy_out + update, spans, moved
@@ -751,7 +756,10 @@ def simulate_hybrid(
     threshold = int(options.fusion_threshold_mb * 2**20)
     buckets = plan_buckets(_meta_params(dense), threshold, options.first_bucket_bytes)
     if dense:
-        end, spans, moved = _bucketed_allreduce(profile, cluster, dense, buckets)
+        # The worker updates its dense variables only: as measured, where the profile did.
+        end, spans, moved = _bucketed_allreduce(
+            profile, cluster, dense, buckets, optimizer_s=profile.dense_optimizer_s or None
+        )
     else:
         end, spans, moved = profile.compute_s, _phase_spans(profile, []), 0.0
     if not profile.sparse_variables:

@@ -350,6 +350,28 @@ def test_hybrid_gathers_rows_on_the_host_then_pushes_updates_and_answers_each_pu
     assert alone.step_s == pytest.approx(3.0 + push + summed + update + answers + pull)
 
 
+def test_hybrids_worker_updates_its_dense_variables_at_their_measured_cost() -> None:
+    # A 1 MB dense variable and a 1 MB sparse table, the optimizer at 1 µs a byte over both
+    # (2 s: what allreduce's worker pays, tables included). hybrid's worker updates the
+    # dense one only: 1 s by the byte, or the 1.5 s the profile measured for it alone.
+    table = dataclasses.replace(
+        variable("table", 250_000, 2.0), sparse=True, num_rows=1000, rows_touched=10.0
+    )
+    by_byte = dataclasses.replace(
+        profile_of([variable("dense", 250_000, 2.0), table]), optimizer_s_per_byte=1e-6
+    )
+    cluster = Cluster(workers=1, network=Network(bandwidth=1e9))
+
+    def optimizer_s(profile: Profile, strategy: str) -> float:
+        spans = predict_step(profile, cluster, StrategyChoice(strategy)).spans
+        return next(s.duration for s in spans if s.name == "OPTIMIZER_STEP")
+
+    measured = dataclasses.replace(by_byte, dense_optimizer_s=1.5)
+    assert optimizer_s(by_byte, "hybrid") == pytest.approx(1.0)
+    assert optimizer_s(measured, "hybrid") == pytest.approx(1.5)
+    assert optimizer_s(measured, "allreduce") == pytest.approx(2.0)
+
+
 def test_hybrid_is_paced_by_the_server_that_holds_most_of_the_rows() -> None:
     # 2 workers on 2 hosts, 2 dedicated servers, one partition each (rows 0–499, 500–999).
     # Rows spread evenly, each server takes half of every cost; all rows in the first half

@@ -53,6 +53,7 @@ def test_sparse_rows_are_profiled() -> None:
     ):
         assert all(t > 0 for t in times)
     assert all(v.apply_s_per_row == 0 for v in profile.dense_variables)
+    assert profile.dense_optimizer_s > 0  # the LSTM's update alone, as hybrid's worker runs it
     bins = sparse["embedding.weight"].row_bins  # where the rows lie: 16 ranges, shares
     assert len(bins) == 16 and sum(bins) == pytest.approx(1.0)
     assert Profile.from_json(profile.to_json()) == profile
