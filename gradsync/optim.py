@@ -169,10 +169,13 @@ def dense_momentum_for_sparse_grads(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
     assert grads is not None
+    sparse = [p for p, g in zip(params, grads, strict=True) if g is not None and g.is_sparse]
+    if not sparse:  # every dense step (a server's slice, say) stops here
+        return
     groups = optimizer.param_groups
     momentum_of = {id(p): group["momentum"] for group in groups for p in group["params"]}
-    for param, grad in zip(params, grads, strict=True):
-        if grad is None or not grad.is_sparse or not momentum_of.get(id(param)):
+    for param in sparse:
+        if not momentum_of.get(id(param)):
             continue
         state = optimizer.state[param]
         buffer = state.get("momentum_buffer")

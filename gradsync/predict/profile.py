@@ -482,7 +482,7 @@ def _measure(request: ProfileRequest) -> Profile:
     dense = {n: p for n, p in params.items() if n not in sparse} if sparse else {}
     dense_updater = Updater(dense.values(), config, lr=1e-3) if dense else None
     clock = _StepClock(params, device)
-    server = _SparseRowWork(OptimConfig(name=request.optimizer).momentum)  # type: ignore[arg-type]
+    server = _SparseRowWork(config.momentum)
     order = LayerOrder(model)
     for step in range(request.steps):
         data = workload.dataset.batch(step=step, size=batch, start=0, stop=batch)

@@ -351,12 +351,13 @@ def _bucketed_allreduce(
     wire_element_size: int | None = None,
     sparse: tuple[VariableProfile, ...] = (),
     sparse_per_variable: bool = False,
-    optimizer_s: float | None = None,
+    optimizer_s: float = 0.0,
 ) -> tuple[float, list[Span], float]:
     """Buckets launched in order as their last gradient is ready, one ring at a time; then
     the rows of ``sparse`` variables, allgathered (see :func:`_row_allgather`). The
     optimizer steps every variable at the profile's cost per byte, or takes
-    ``optimizer_s`` where that was measured for the variables the worker updates."""
+    ``optimizer_s`` where that was measured for the variables the worker updates (0: not
+    measured)."""
     spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
     backward_start = profile.forward_s
     shift = comm_free = last_launch = moved = 0.0
@@ -758,7 +759,7 @@ def simulate_hybrid(
     if dense:
         # The worker updates its dense variables only: as measured, where the profile did.
         end, spans, moved = _bucketed_allreduce(
-            profile, cluster, dense, buckets, optimizer_s=profile.dense_optimizer_s or None
+            profile, cluster, dense, buckets, optimizer_s=profile.dense_optimizer_s
         )
     else:
         end, spans, moved = profile.compute_s, _phase_spans(profile, []), 0.0
