@@ -55,6 +55,15 @@ def _network() -> dict[str, list[str]]:
     }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_runs_left_by_killed_launchers() -> None:
+    # A launcher killed by SIGKILL (a CI job cancelled mid-test, say) leaves its namespaces
+    # behind; its pid is gone, so nothing can use them. Remove them, as `gradsync netem
+    # cleanup` would, so that every test starts from a machine with only live runs on it.
+    if os.geteuid() == 0 and netem.shutil.which("ip") and netem.shutil.which("tc"):
+        netem.cleanup()
+
+
 @pytest.fixture
 def unchanged_network():
     before = _network()
@@ -62,8 +71,24 @@ def unchanged_network():
     assert _network() == before
 
 
-def _own_namespaces() -> list[str]:
-    return [n for n in netem.list_namespaces() if netem.NAMESPACE_PATTERN.match(n)]
+def _new_namespaces(before: dict[str, list[str]]) -> list[str]:
+    """This test's namespaces: gradsync's, and not on the machine when it began."""
+    return [
+        n
+        for n in netem.list_namespaces()
+        if netem.NAMESPACE_PATTERN.match(n) and n not in before["netns"]
+    ]
+
+
+def _stop(job: subprocess.Popen[str]) -> None:
+    """End a launcher the way Ctrl-C does (it tears its hosts down), then for good."""
+    if job.poll() is None:
+        job.send_signal(signal.SIGTERM)
+        try:
+            job.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
 
 
 def _wait_for(predicate, timeout: float) -> None:
@@ -155,13 +180,13 @@ def test_sigkilled_rank_leaves_nothing(workdir: Path, unchanged_network) -> None
     job = _long_training(workdir)
     try:
         _wait_training(workdir)
-        assert len(_own_namespaces()) == 3
+        assert len(_new_namespaces(unchanged_network)) == 3
         pids = json.loads((workdir / "run" / "ranks-node0.json").read_text())
         assert "gradsync.runtime" in Path(f"/proc/{pids['1']}/cmdline").read_text()
         os.kill(pids["1"], signal.SIGKILL)
         _, stderr = job.communicate(timeout=30)
     finally:
-        job.kill()
+        _stop(job)
     assert job.returncode == 1
     assert "rank 1" in stderr and "SIGKILL" in stderr
 
@@ -173,7 +198,7 @@ def test_interrupted_launcher_leaves_nothing(workdir: Path, unchanged_network) -
         job.send_signal(signal.SIGTERM)  # SIGINT (Ctrl-C) takes the same path
         job.communicate(timeout=30)
     finally:
-        job.kill()
+        _stop(job)
     assert job.returncode == 130
 
 
@@ -183,16 +208,16 @@ def test_killed_launcher_is_cleaned_up_by_netem_cleanup(workdir: Path, unchanged
         _wait_training(workdir)
         job.kill()  # the launcher itself: nothing can tear down
         job.wait(timeout=10)
-        left = _own_namespaces()
-        assert len(left) == 3
+        assert len(_new_namespaces(unchanged_network)) == 3
         listed = gradsync("netem", "list", cwd=workdir)
         assert "left over" in listed.stdout
-        result = gradsync("netem", "cleanup", cwd=workdir)
     finally:
         job.kill()
+        job.wait(timeout=10)
+        result = gradsync("netem", "cleanup", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert "1 left-over run(s) cleaned up" in result.stdout
-    assert _own_namespaces() == []
+    assert _new_namespaces(unchanged_network) == []
 
 
 def test_refuses_without_root(workdir: Path, monkeypatch, capsys) -> None:
