@@ -217,10 +217,10 @@ class FusedAllreduce:
                 param.grad = None
                 continue
             averaged = bucket.buffer[start : start + param.numel()].view_as(param)
-            if param.grad is None or param.grad.is_sparse:
-                param.grad = averaged.to(param.dtype, copy=True)
-            else:
-                param.grad.copy_(averaged)
+            # The bucket's own slice becomes the gradient (DDP's gradient_as_bucket_view,
+            # after the reduce): no copy. The optimizer reads it before the next backward
+            # refills the bucket, and its zero_grad(set_to_none) lets autograd allocate anew.
+            param.grad = averaged if averaged.dtype == param.dtype else averaged.to(param.dtype)
 
     def launch_remaining(self) -> None:
         """Launch, in bucket order, the buckets backward did not complete (parameters that
@@ -232,7 +232,8 @@ class FusedAllreduce:
         self._next_launch = len(self.buckets)
 
     def finish(self) -> None:
-        """Wait for every bucket, write averaged gradients into ``param.grad``, reset."""
+        """Wait for every bucket, average in place and make each parameter's slice of its
+        bucket its ``param.grad`` (valid until the next backward refills the bucket), reset."""
         started = time.perf_counter()
         self.launch_remaining()
         self._next_launch = 0
