@@ -13,6 +13,7 @@ from typing import IO, Any
 
 import torch
 
+from gradsync import allocator
 from gradsync.checkpoint import versions
 from gradsync.files import atomic_write_text
 from gradsync.stats import throughput
@@ -130,6 +131,7 @@ def environment(threads: int) -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "threads_per_rank": threads,
+        "allocator": allocator.applied(),
         "platform": platform.platform(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.allocator import keep_step_memory
 from gradsync.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gradsync.comm.batchnorm import convert_batchnorm, has_batchnorm
 from gradsync.config import TrainConfig
@@ -47,6 +48,7 @@ CHECKPOINT_FILE = "checkpoint.safetensors"
 
 def run_rank(config: TrainConfig, env: RankEnv) -> None:
     """Train as rank ``env.rank`` of ``env.world_size``; rank 0 writes the summary."""
+    keep_step_memory()
     threads = config.launch.threads or default_threads(env.local_world_size)
     torch.set_num_threads(threads)
     if config.launch.interop_threads is not None:

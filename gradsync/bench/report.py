@@ -146,7 +146,8 @@ def _environment(records: list[dict]) -> list[str]:
         f"Measured with gradsync {env.get('gradsync')}, torch {env.get('torch')}, on "
         f"{env.get('cpu')} ({env.get('cores')} cores); steps per job "
         f"{len(ok[0]['step_times_s'])}, warm-up {ok[0]['throughput']['warmup_steps']} "
-        "steps left out; throughput is the whole job's samples/s.",
+        "steps left out; throughput is the whole job's samples/s. "
+        f"Allocator: {env.get('allocator', 'not recorded')}.",
         "",
     ]
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync.allocator import keep_step_memory
 from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import UserError
 
@@ -427,6 +428,7 @@ def _sibling_steps(request: ProfileRequest, stop: Any, ready: Any) -> None:
     from gradsync.models import build_workload
     from gradsync.optim import Updater
 
+    keep_step_memory()  # as a training rank's process does
     torch.set_num_threads(request.threads)
     torch.set_default_dtype(getattr(torch, request.dtype))
     workload = build_workload(
@@ -460,6 +462,7 @@ def _measure(request: ProfileRequest) -> Profile:
 
     if request.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; profile on cpu")
+    keep_step_memory()  # as a training rank's process does
     torch.set_num_threads(request.threads)
     dtype = getattr(torch, request.dtype)
     torch.set_default_dtype(dtype)

@@ -36,8 +36,10 @@ def test_tiny_experiment_end_to_end(workdir: Path) -> None:
         assert {"torch", "cpu", "cores", "threads_per_rank", "link_rate"} <= set(
             record["environment"]
         )
+        assert record["environment"]["allocator"].startswith(("glibc", "left to", "system"))
     report = (out / "report.md").read_text()
     assert "| strategy | workers |" in report and "efficiency" in report
+    assert "Allocator: " in report and "not recorded" not in report
     assert "is fastest with" in report and "matches single within tolerance" in report
     plots = [
         line.split("(")[1].rstrip(")") for line in report.splitlines() if line.startswith("![")
