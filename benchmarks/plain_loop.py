@@ -4,7 +4,9 @@ It builds the same workload (model, data, loss) and the same optimizer, and time
 the same way, but uses none of gradsync's launcher, trainer or strategy code. Prints one
 JSON object with the throughput, what it held equal, and the ``gradsync train`` command
 that runs the same workload (same dropout, data, global batch, threads; one process, so
-BatchNorm statistics are the whole batch's, as ``single``'s).
+BatchNorm statistics are the whole batch's, as ``single``'s). It sets glibc's thresholds as
+every gradsync rank does (``gradsync/allocator.py``), so the comparison measures the
+harness and not the allocator; ``--system-allocator`` leaves glibc's defaults.
 
     python benchmarks/plain_loop.py --model transformer --steps 40
     python benchmarks/plain_loop.py --model transformer --deterministic   # dropout off
@@ -18,6 +20,7 @@ import time
 
 import torch
 
+from gradsync import allocator
 from gradsync.models import build_workload
 from gradsync.stats import throughput
 
@@ -32,8 +35,15 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="dropout off (gradsync's flag of that name)"
     )
+    parser.add_argument(
+        "--system-allocator",
+        action="store_true",
+        help="leave glibc's thresholds as they are (gradsync's ranks set them)",
+    )
     args = parser.parse_args()
 
+    if not args.system_allocator:
+        allocator.keep_step_memory()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     workload = build_workload(args.model, preset=args.preset, dropout=not args.deterministic)
@@ -59,6 +69,7 @@ def main() -> None:
         "threads": args.threads,
         "batchnorm": "one process: statistics of the whole global batch",
         "optimizer": f"sgd lr {args.lr} momentum 0.9",
+        "allocator": allocator.applied(),
     }
     same = (
         f"gradsync train --strategy single --model {args.model} --preset {args.preset} "
