@@ -70,6 +70,7 @@ def test_a_block_freed_by_one_step_serves_the_next_without_page_faults() -> None
 
 
 def test_the_environment_keeps_its_own_allocator_choice(monkeypatch) -> None:
+    monkeypatch.setattr(allocator, "_applied", allocator.applied())  # restored afterwards
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert allocator.keep_step_memory() == "left to the environment (MALLOC_ARENA_MAX)"
     assert allocator.applied() == "left to the environment (MALLOC_ARENA_MAX)"
