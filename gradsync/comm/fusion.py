@@ -218,9 +218,10 @@ class FusedAllreduce:
                 continue
             averaged = bucket.buffer[start : start + param.numel()].view_as(param)
             # The bucket's own slice becomes the gradient (DDP's gradient_as_bucket_view,
-            # after the reduce): no copy. The optimizer reads it before the next backward
+            # after the reduce): no copy (``to`` returns the slice itself unless fp16 compression
+            # put it in another dtype). The optimizer reads it before the next backward
             # refills the bucket, and its zero_grad(set_to_none) lets autograd allocate anew.
-            param.grad = averaged if averaged.dtype == param.dtype else averaged.to(param.dtype)
+            param.grad = averaged.to(param.dtype)
 
     def launch_remaining(self) -> None:
         """Launch, in bucket order, the buckets backward did not complete (parameters that
