@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from gradsync.config import LaunchConfig, TrainConfig
+from gradsync.devices import resolve as resolve_device
+from gradsync.devices import visible_gpus
 from gradsync.errors import JobFailed, UserError
 from gradsync.files import atomic_write_text
 from gradsync.heartbeat import ENV_FD, LastBeat
@@ -163,10 +165,11 @@ def launch_local(
     Example:
         >>> # launch_local(TrainConfig(model="mnist-cnn", preset="tiny", strategy="ddp", workers=2))
     """
-    launch = config.launch
     if world_size is None:
         assert isinstance(config, TrainConfig), "pass world_size for a job other than training"
         world_size = world_size_of(config)
+        config = _decide_device(config)
+    launch = config.launch
     if world_size % launch.num_nodes:
         raise UserError(f"{world_size} ranks do not divide over --nnodes {launch.num_nodes}")
     local_size = world_size // launch.num_nodes
@@ -217,6 +220,20 @@ def launch_local(
             stdout.close()
         config_path.unlink(missing_ok=True)
         ranks_path.unlink(missing_ok=True)
+
+
+def _decide_device(config: TrainConfig) -> TrainConfig:
+    """``config`` on the device every local rank trains on; says why when GPUs go unused."""
+    decided = resolve_device(config)
+    if config.launch.device == "auto" and decided.launch.device == "cpu" and visible_gpus():
+        print(
+            f"gradsync: training on the CPU over Gloo: {config.strategy} with "
+            f"{world_size_of(config)} ranks cannot have a GPU per rank here "
+            "(see --device in the README)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return decided
 
 
 def _master_port(launch: LaunchConfig, *, emulated: bool) -> int:

@@ -124,8 +124,8 @@ def read_records(
     return records
 
 
-def environment(threads: int) -> dict[str, Any]:
-    """Where the numbers were measured."""
+def environment(threads: int, device: str = "cpu") -> dict[str, Any]:
+    """Where the numbers were measured; ``device`` is what the ranks trained on."""
     return {
         **versions(),
         "cpu": _cpu_model(),
@@ -133,6 +133,7 @@ def environment(threads: int) -> dict[str, Any]:
         "threads_per_rank": threads,
         "allocator": allocator.applied(),
         "platform": platform.platform(),
+        "device": device,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 

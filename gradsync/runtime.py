@@ -65,7 +65,9 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
     device = _device(config, env)
     distributed = env.world_size > 1 or config.strategy != "single"
     if distributed:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # On GPUs, CUDA tensors go over NCCL and the CPU tensors of gradsync's own
+        # bookkeeping (probes, RNG states, objects) over Gloo, in the same groups.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         beat("rendezvous")  # the rendezvous has its own timeout, naming missing ranks
         # The ranks check that they belong together (world size, versions) first.
         join_process_group(backend, env, timedelta(seconds=config.launch.timeout_s))
@@ -264,7 +266,7 @@ def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: Timeline) -> N
             **run.meta,
             "steps": config.steps,
             "launcher": env.launcher,
-            "environment": environment(run.threads),
+            "environment": environment(run.threads, run.context.device.type),
             "validation_accuracy": accuracy,
             "iterations_per_epoch": _iterations_per_epoch(workload, run.global_batch),
         },
@@ -350,14 +352,21 @@ def _write_checkpoint(
 
 
 def _device(config: TrainConfig, env: RankEnv) -> torch.device:
-    wanted = config.launch.device
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but CUDA is not available; use --device cpu")
-    if wanted != "cpu" and torch.cuda.is_available():
-        index = env.local_rank % torch.cuda.device_count()  # one GPU per rank
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    """This rank's device: gradsync's launcher decided it; under torchrun, Slurm or mpirun
+    (still "auto") each rank decides the same from its node's rank count."""
+    from gradsync.devices import job_device
+    from gradsync.strategies.base import ServerStrategy
+
+    device = job_device(
+        config.launch.device,
+        local_ranks=env.local_world_size,
+        servers=issubclass(strategy_class(config.strategy), ServerStrategy),
+        strategy=config.strategy,
+    )
+    if device == "cpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(env.local_rank)  # one GPU per rank
+    return torch.device("cuda", env.local_rank)
 
 
 def main(argv: list[str]) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 from gradsync.checkpoint import Checkpoint, load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
 from gradsync.config import TrainConfig
+from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.files import atomic_write_text
 from gradsync.jobs import run_job, validate
@@ -121,7 +122,7 @@ def run_matrix(
         >>> #            ["ddp", "allreduce"], [2, 4], Path("runs/verify"))
     """
     cells = [(REFERENCE, 1)] + [(s, w) for w in workers for s in strategies if s != REFERENCE]
-    configs = [cell_config(base, s, w, out, given) for s, w in cells]
+    configs = on_one_device([cell_config(base, s, w, out, given) for s, w in cells])
     labels = {config.out: spec for config, (spec, _) in zip(configs, cells, strict=True)}
     for config in configs:
         validate(config)  # every cell is checked before the first one runs

@@ -36,6 +36,7 @@ from rich.progress import (
 from gradsync.bench.equal import check_equal_workloads
 from gradsync.bench.experiment import Cell, Experiment
 from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
+from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
@@ -198,6 +199,7 @@ def run_sweep(
     run = _job_runner(launcher)
     cells = experiment.cells()
     configs = {cell.id: cell_config(experiment, cell, out, timeline=timeline) for cell in cells}
+    configs = dict(zip(configs, on_one_device(list(configs.values())), strict=True))
     for config in configs.values():
         validate(config)  # a bad matrix fails before the first job, not halfway
     check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike

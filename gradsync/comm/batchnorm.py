@@ -72,17 +72,19 @@ class _GlobalBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, mean, var, total = ctx.saved_tensors
+        invstd = torch.rsqrt(var + ctx.eps)
         # Σ dy·x̂ and Σ dy per channel, in one pass: the parameter gradients. They stay
         # local (the strategy averages them like every other gradient); the input gradient
-        # needs their global sums.
+        # needs their global sums. The global moments are given as the saved batch moments
+        # (training mode), which every device's kernel accepts; CUDA's refuses them as
+        # running statistics.
         _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
-            grad_out, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+            grad_out, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
         )
         sums = torch.cat([grad_bias, grad_weight])
         if dist.get_world_size(ctx.group) > 1:
             dist.all_reduce(sums, group=ctx.group)
         mean_dy, mean_dy_xhat = (sums / total).view(2, -1)
-        invstd = torch.rsqrt(var + ctx.eps)
         scale = invstd if weight is None else invstd * weight
         # grad_x = scale·(dy − mean(dy) − x̂·mean(dy·x̂)), with x̂ = (x − mean)·invstd,
         # is per channel scale·dy + slope·x + offset.

@@ -772,31 +772,37 @@ def _row_bins(clock: _StepClock, name: str, warmup: int) -> tuple[float, ...]:
 
 
 def _byte_costs(num_bytes: int, request: ProfileRequest) -> tuple[float, float, float]:
-    """Seconds per byte of a buffer copy, of adding one worker's contribution to a sum
-    (a server's aggregation) and of the optimizer's apply on a flat shard (a server's)."""
+    """Seconds per byte of a worker's buffer copy (on the profiled device), of adding one
+    worker's contribution to a sum (a server's aggregation) and of the optimizer's apply on
+    a flat shard (a server's).
+
+    Server work is timed on the CPU whatever the device: gradsync's servers are CPU
+    processes, as TensorFlow's parameter servers and BytePS's servers are beside GPU workers.
+    """
     import torch
 
     from gradsync.config import OptimConfig
     from gradsync.optim import Updater
 
-    device = torch.device(request.device)
+    worker, server = torch.device(request.device), torch.device("cpu")
     numel = max(
         1, num_bytes // torch.tensor([], dtype=getattr(torch, request.dtype)).element_size()
     )
-    source = torch.randn(numel, device=device)
+    source = torch.randn(numel, device=server)
     target = torch.empty_like(source)
-    shard = torch.nn.Parameter(torch.zeros(numel, device=device))
+    shard = torch.nn.Parameter(torch.zeros(numel, device=server))
     updater = Updater([shard], OptimConfig(name=request.optimizer), lr=1e-3)  # type: ignore[arg-type]
 
     def apply() -> None:
         shard.grad = source
         updater.update()
 
+    on_worker, into = source.to(worker), target.to(worker)
     nbytes = numel * source.element_size()
     return (
-        _median_time(lambda: target.copy_(source), device) / nbytes,
-        _median_time(lambda: target.add_(source), device) / nbytes,
-        _median_time(apply, device) / nbytes,
+        _median_time(lambda: into.copy_(on_worker), worker) / nbytes,
+        _median_time(lambda: target.add_(source), server) / nbytes,
+        _median_time(apply, server) / nbytes,
     )
 
 

@@ -488,11 +488,13 @@ def simulate_allreduce(
 
 
 def ddp_bucket_caps() -> tuple[int, int]:
-    """Torch DDP's first-bucket and later-bucket caps in bytes, read from torch."""
+    """Torch DDP's first-bucket and later-bucket caps in bytes, read from torch where it
+    names them (its documented 1 MiB and 25 MiB where it does not, as in torch 2.11)."""
     import torch.distributed as dist
     from torch.nn.parallel import distributed
 
-    return dist._DEFAULT_FIRST_BUCKET_BYTES, int(distributed._DEFAULT_BUCKET_CAP_MB * 2**20)
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+    return first, int(getattr(distributed, "_DEFAULT_BUCKET_CAP_MB", 25) * 2**20)
 
 
 def plan_ddp_buckets(

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU checks of one session on a machine with one CUDA device: profiles for `predict`
+# taken on the GPU, the NCCL path of the collective strategies, and what a user gets when
+# a job asks for more GPUs than the machine has. Writes everything under OUT (default
+# ./gpu-check; profiles and run summaries under OUT/profiles, then packed into
+# OUT/gpu-check.tar.gz); every command is bounded, so the script always ends.
+#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh
+set -u
+OUT=${OUT:-gpu-check}
+mkdir -p "$OUT/profiles"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+log=$OUT/gpu-check.log
+step() { echo "== $*" | tee -a "$log"; }
+run() { # run LIMIT_S CMD...: the command's output into the log, its exit status after it
+  local limit=$1; shift
+  local started=$SECONDS
+  timeout -k 5 "$limit" "$@" >>"$log" 2>&1
+  echo "-- exit $? after $((SECONDS - started)) s" | tee -a "$log"
+}
+
+step "machine"
+run 20 nvidia-smi -L
+run 60 "$py" -c "import torch, torch.distributed as d; print(torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version(), 'gloo', d.is_gloo_available())"
+nproc | tee -a "$log"
+
+step "profiles on the GPU (1 thread, float32)"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cd 'A-Za-z0-9' | tr 'A-Z' 'a-z')
+gpu=${gpu#nvidia}
+for spec in "vgg16 32" "vgg16 128" "resnet56 32" "resnet56 128" "transformer 0"; do
+  set -- $spec
+  batch=(); name=$1-$gpu-b$2
+  if [ "$2" = 0 ]; then name=$1-$gpu; else batch=(--batch "$2"); fi
+  run 120 "$py" -m gradsync profile --device cuda --threads 1 --model "$1" "${batch[@]}" \
+    --steps 30 --warmup 10 --out "$OUT/profiles/$name.json"
+done
+
+step "the NCCL path: one rank per GPU"
+for strategy in single allreduce ddp; do
+  run 120 "$py" -m gradsync train --device cuda --strategy "$strategy" --workers 1 \
+    --model resnet56 --steps 60 --out "/tmp/gpu-$strategy"
+  "$py" -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['strategy'], d['throughput'], d['step_time_s_median'], d['environment']['cuda'])" "/tmp/gpu-$strategy/summary.json" 2>&1 | tee -a "$log"
+  cp "/tmp/gpu-$strategy/summary.json" "$OUT/profiles/train-$strategy.json" 2>/dev/null
+done
+
+tar -czf "$OUT/gpu-check.tar.gz" -C "$OUT" profiles && rm -r "$OUT/profiles"
+
+step "verify on the GPU: single against allreduce and ddp at one rank (float64, NCCL)"
+run 180 "$py" -m gradsync verify --device cuda --model resnet56 --preset tiny --strategies allreduce,ddp \
+  --workers 1 --steps 10 --out /tmp/gpu-verify
+
+step "more ranks than GPUs, and server strategies, on a machine with one GPU"
+run 60 "$py" -m gradsync train --device cuda --strategy allreduce --workers 2 --model resnet56 --steps 5 --out /tmp/gpu-two
+run 120 "$py" -m gradsync train --strategy allreduce --workers 2 --model resnet56 --preset tiny --steps 5 --out /tmp/gpu-auto
+"$py" -c "import json; print(json.load(open('/tmp/gpu-auto/summary.json'))['environment'])" 2>&1 | tee -a "$log"
+run 60 "$py" -m gradsync train --device cuda --strategy ps --workers 1 --model resnet56 --steps 5 --out /tmp/gpu-ps
+
+step "the fast test tier with CUDA visible"
+run 240 "$py" -m pytest -m "not slow" -q -rf -p no:warnings -p no:cacheprovider --timeout 60 --maxfail=6 tests

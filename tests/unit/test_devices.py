@@ -1,0 +1,81 @@
+"""Which device a job trains on: a GPU per rank, else the CPU; one device per compared set."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gradsync.config import LaunchConfig, TrainConfig
+from gradsync.devices import job_device, on_one_device, resolve
+from gradsync.errors import UserError
+
+
+def _job(strategy: str = "allreduce", workers: int = 2, device: str = "auto", **options):
+    return TrainConfig(
+        model="mnist-cnn",
+        preset="tiny",
+        strategy=strategy,
+        workers=workers,
+        strategy_options=options or None,
+        launch=LaunchConfig(device=device),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("local_ranks", "servers", "gpus", "expected"),
+    [
+        (1, False, 0, "cpu"),  # no CUDA
+        (1, False, 1, "cuda"),
+        (2, False, 1, "cpu"),  # two ranks cannot share one GPU under NCCL
+        (2, False, 2, "cuda"),
+        (4, False, 8, "cuda"),
+        (2, True, 8, "cpu"),  # server strategies train on the CPU
+    ],
+)
+def test_auto_takes_the_gpus_only_when_every_rank_gets_one(local_ranks, servers, gpus, expected):
+    assert job_device("auto", local_ranks=local_ranks, servers=servers, gpus=gpus) == expected
+
+
+def test_cpu_is_the_cpu_whatever_the_machine_has():
+    assert job_device("cpu", local_ranks=1, servers=False, gpus=8) == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("local_ranks", "servers", "gpus", "says"),
+    [
+        (1, False, 0, "CUDA is not available"),
+        (2, False, 1, "runs 2 ranks and has 1 GPU"),
+        (1, True, 4, "trains on the CPU only"),
+    ],
+)
+def test_cuda_that_cannot_be_had_is_one_line(local_ranks, servers, gpus, says):
+    with pytest.raises(UserError, match=says) as caught:
+        job_device("cuda", local_ranks=local_ranks, servers=servers, gpus=gpus, strategy="ps")
+    assert "\n" not in str(caught.value)
+    assert "--device cpu" in str(caught.value)  # how to fix it
+
+
+def test_resolve_counts_server_ranks_and_nodes():
+    assert resolve(_job("ps", workers=1), gpus=8).launch.device == "cpu"
+    assert resolve(_job("allreduce", workers=2), gpus=2).launch.device == "cuda"
+    assert resolve(_job("allreduce", workers=4), gpus=2).launch.device == "cpu"
+    two_nodes = _job("allreduce", workers=4)
+    two_nodes = two_nodes.replace(launch=dataclasses.replace(two_nodes.launch, num_nodes=2))
+    assert resolve(two_nodes, gpus=2).launch.device == "cuda"  # 2 ranks on this node
+    with pytest.raises(UserError, match="at most 2 workers per node"):
+        resolve(_job("ddp", workers=4, device="cuda"), gpus=2)
+
+
+def test_a_compared_set_trains_on_one_device():
+    reference, pair = _job("single", workers=1), _job("allreduce", workers=2)
+    assert [c.launch.device for c in on_one_device([reference, pair], gpus=2)] == ["cuda"] * 2
+    # single alone would fit on the one GPU; the pair cannot: both run on the CPU.
+    assert [c.launch.device for c in on_one_device([reference, pair], gpus=1)] == ["cpu"] * 2
+    with_servers = [reference, _job("p3", workers=2)]
+    assert [c.launch.device for c in on_one_device(with_servers, gpus=8)] == ["cpu"] * 2
+
+
+def test_a_set_that_asks_for_cuda_it_cannot_have_is_refused_before_it_runs():
+    with pytest.raises(UserError, match="CUDA is not available"):
+        on_one_device([_job("single", workers=1, device="cuda")], gpus=0)
