@@ -506,6 +506,7 @@ def _measure(request: ProfileRequest) -> Profile:
             for name, grad in grads.items():
                 dense[name].grad = grad
             clock.time(lambda: dense_updater.update(), "optimizer:dense")
+        clock.settle()
     profile = _assemble(request, batch, clock, layers, params, sparse)
     return dataclasses.replace(
         profile,
@@ -551,28 +552,56 @@ def _solo_group() -> Iterator[None]:
 
 
 class _StepClock:
-    """Timestamps of one worker's steps: layer starts, gradient-ready times, phases."""
+    """Timestamps of one worker's steps: layer starts, gradient-ready times, phases.
+
+    On the CPU a timestamp is ``time.perf_counter()``. On a GPU it is a CUDA event recorded
+    on the stream, read when the step is over (:meth:`settle`): the host never waits inside
+    the step, so a model whose kernels are short is timed as it runs, not at one
+    synchronization per layer.
+    """
 
     def __init__(self, params: dict[str, Any], device: Any) -> None:
         self.device = device
         self.samples: dict[str, list[float]] = {}
+        self._on_gpu = device.type == "cuda"
+        self._pending: list[tuple[str, Any, Any]] = []  # (key, start event, end event)
         self._params = params
-        self._forward_start = self._backward_start = 0.0
+        self._forward_start: Any = 0.0
+        self._backward_start: Any = 0.0
         self._layer_modules: list[Any] = []
         for name, param in params.items():
             param.register_post_accumulate_grad_hook(
                 lambda _p, name=name: self._mark(f"grad:{name}", self._backward_start)
             )
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
+    def _now(self) -> Any:
+        if self._on_gpu:
             import torch
 
-            torch.cuda.synchronize(self.device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
         return time.perf_counter()
 
-    def _mark(self, key: str, origin: float) -> None:
-        self.record(key, self._now() - origin)
+    def _span(self, key: str, start: Any, end: Any) -> None:
+        if self._on_gpu:
+            self._pending.append((key, start, end))
+        else:
+            self.record(key, end - start)
+
+    def _mark(self, key: str, origin: Any) -> None:
+        self._span(key, origin, self._now())
+
+    def settle(self) -> None:
+        """Record the step's GPU timestamps (waits for the step's kernels to end)."""
+        if not self._pending:
+            return
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        for key, start, end in self._pending:
+            self.record(key, start.elapsed_time(end) / 1e3)
+        self._pending.clear()
 
     def watch_layers(self, modules: list[Any]) -> None:
         for index, module in enumerate(modules):
@@ -585,7 +614,7 @@ class _StepClock:
 
     def begin_backward(self) -> None:
         self._backward_start = self._now()
-        self.samples.setdefault("forward", []).append(self._backward_start - self._forward_start)
+        self._span("forward", self._forward_start, self._backward_start)
 
     def end_backward(self) -> None:
         self._mark("backward", self._backward_start)
