@@ -52,14 +52,14 @@ def job_device(
         return "cpu"
     if wanted == "auto":
         return "cuda" if gpus >= local_ranks and not servers else "cpu"
-    if gpus == 0:
-        raise UserError("--device cuda was asked for but CUDA is not available; use --device cpu")
     if servers:
         raise UserError(
             f"--device cuda: {strategy or 'this strategy'} sends its server messages as CPU "
             "tensors over Gloo and trains on the CPU only; use --device cpu, or allreduce/ddp "
             "on GPUs"
         )
+    if gpus == 0:
+        raise UserError("--device cuda was asked for but CUDA is not available; use --device cpu")
     if gpus < local_ranks:
         raise UserError(
             f"--device cuda gives each rank its own GPU (NCCL cannot share one between ranks), "

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.config import TrainConfig
+from gradsync.devices import resolve as resolve_device
 from gradsync.errors import JobFailed
 from gradsync.launch import launch_local
 from gradsync.metrics import load_summary
@@ -28,6 +29,7 @@ def validate(config: TrainConfig) -> None:
     """
     check_model(config.model, config.preset, config.model_options)
     check_strategy(config)
+    resolve_device(config)  # --device cuda that this machine cannot give: refused here
     if is_user_model(config.model):
         workload = build_workload(
             config.model,

@@ -68,6 +68,10 @@ BAD_INPUTS = {
     "single with workers": (["train", "--strategy", "single", "--workers", "2"], "--workers 1"),
     "bad flag": (["train", "--workers", "zero"], "not an integer"),
     "unknown optimizer": (["train", "--optimizer", "lamb"], "unknown optimizer"),
+    "server strategy on a GPU": (
+        ["train", "--strategy", "ps", "--device", "cuda", "--steps", "1"],
+        "trains on the CPU only",
+    ),
 }
 
 
@@ -79,6 +83,7 @@ def test_bad_input_is_one_line_and_exit_2(case: str, workdir: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("gradsync: error: ") and message in lines[0], lines[0]
+    assert not (workdir / "run").exists()  # refused before anything was written
 
 
 def test_port_in_use_is_a_user_error(workdir: Path) -> None:
