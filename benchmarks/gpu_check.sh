@@ -27,17 +27,21 @@ nproc | tee -a "$log"
 step "profiles on the GPU (1 thread, float32)"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cd 'A-Za-z0-9' | tr 'A-Z' 'a-z')
 gpu=${gpu#nvidia}
-for spec in "vgg16 32" "vgg16 128" "resnet56 32" "resnet56 128" "transformer 0"; do
+# model, batch (0: the preset's), BatchNorm layers timed. resnet56 with local BatchNorm
+# tells whether gradsync's global layer is why its profile was 3.2x its step (session 22).
+for spec in "vgg16 32 global" "vgg16 128 global" "resnet56 32 global" "resnet56 32 local" \
+  "resnet56 128 global" "transformer 0 global"; do
   set -- $spec
   batch=(); name=$1-$gpu-b$2
   if [ "$2" = 0 ]; then name=$1-$gpu; else batch=(--batch "$2"); fi
+  [ "$3" = local ] && name=$name-local
   run 120 "$py" -m gradsync profile --device cuda --threads 1 --model "$1" "${batch[@]}" \
-    --steps 30 --warmup 10 --out "$OUT/profiles/$name.json"
+    --batchnorm "$3" --steps 30 --warmup 10 --out "$OUT/profiles/$name.json"
 done
 
 step "the NCCL path: one rank per GPU"
 for strategy in single allreduce ddp; do
-  run 120 "$py" -m gradsync train --device cuda --strategy "$strategy" --workers 1 \
+  run 120 "$py" -m gradsync train --device cuda --threads 1 --strategy "$strategy" --workers 1 \
     --model resnet56 --steps 60 --out "/tmp/gpu-$strategy"
   "$py" -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['strategy'], d['throughput'], d['step_time_s_median'], d['environment']['cuda'])" "/tmp/gpu-$strategy/summary.json" 2>&1 | tee -a "$log"
   cp "/tmp/gpu-$strategy/summary.json" "$OUT/profiles/train-$strategy.json" 2>/dev/null
