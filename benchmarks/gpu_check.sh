@@ -35,14 +35,14 @@ for spec in "vgg16 32 global" "vgg16 128 global" "resnet56 32 global" "resnet56 
   batch=(); name=$1-$gpu-b$2
   if [ "$2" = 0 ]; then name=$1-$gpu; else batch=(--batch "$2"); fi
   [ "$3" = local ] && name=$name-local
-  run 120 "$py" -m gradsync profile --device cuda --threads 1 --model "$1" "${batch[@]}" \
+  run 120 "$py" -m gradsync profile --device cuda --threads 1 --model "$1" ${batch[@]+"${batch[@]}"} \
     --batchnorm "$3" --steps 30 --warmup 10 --out "$OUT/profiles/$name.json"
 done
 
 step "the NCCL path: one rank per GPU"
 for strategy in single allreduce ddp; do
   run 120 "$py" -m gradsync train --device cuda --threads 1 --strategy "$strategy" --workers 1 \
-    --model resnet56 --steps 60 --out "/tmp/gpu-$strategy"
+    --model resnet56 --steps 60 --out "/tmp/gpu-$strategy" --overwrite
   "$py" -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['strategy'], d['throughput'], d['step_time_s_median'], d['environment']['cuda'])" "/tmp/gpu-$strategy/summary.json" 2>&1 | tee -a "$log"
   cp "/tmp/gpu-$strategy/summary.json" "$OUT/profiles/train-$strategy.json" 2>/dev/null
 done
@@ -51,13 +51,13 @@ tar -czf "$OUT/gpu-check.tar.gz" -C "$OUT" profiles && rm -r "$OUT/profiles"
 
 step "verify on the GPU: single against allreduce and ddp at one rank (float64, NCCL)"
 run 180 "$py" -m gradsync verify --device cuda --model resnet56 --preset tiny --strategies allreduce,ddp \
-  --workers 1 --steps 10 --out /tmp/gpu-verify
+  --workers 1 --steps 10 --out /tmp/gpu-verify --overwrite
 
 step "more ranks than GPUs, and server strategies, on a machine with one GPU"
-run 60 "$py" -m gradsync train --device cuda --strategy allreduce --workers 2 --model resnet56 --steps 5 --out /tmp/gpu-two
-run 120 "$py" -m gradsync train --strategy allreduce --workers 2 --model resnet56 --preset tiny --steps 5 --out /tmp/gpu-auto
+run 60 "$py" -m gradsync train --device cuda --strategy allreduce --workers 2 --model resnet56 --steps 5 --out /tmp/gpu-two --overwrite
+run 120 "$py" -m gradsync train --strategy allreduce --workers 2 --model resnet56 --preset tiny --steps 5 --out /tmp/gpu-auto --overwrite
 "$py" -c "import json; print(json.load(open('/tmp/gpu-auto/summary.json'))['environment'])" 2>&1 | tee -a "$log"
-run 60 "$py" -m gradsync train --device cuda --strategy ps --workers 1 --model resnet56 --steps 5 --out /tmp/gpu-ps
+run 60 "$py" -m gradsync train --device cuda --strategy ps --workers 1 --model resnet56 --steps 5 --out /tmp/gpu-ps --overwrite
 
 step "the fast test tier with CUDA visible"
 run 240 "$py" -m pytest -m "not slow" -q -rf -p no:warnings -p no:cacheprovider --timeout 60 --maxfail=6 tests

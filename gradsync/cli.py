@@ -414,7 +414,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{workers} with strategy '{args.strategy}' needs {expected}; "
             "match the launcher's process count"
         )
-    validate(config)
+    validate(config, one_rank=True)
     check_writable(Path(config.out))
     run_rank(config, env)
     return EXIT_OK
@@ -430,7 +430,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     given = given_options(args)
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("verify"))
-    check_cells(config, strategies, given, out)
+    check_cells(config, strategies, args.workers, given, out)
     claim_run_dir(out, overwrite=args.overwrite)
     print(deterministic_notice(config))
     outcomes = run_matrix(config, strategies, args.workers, out, given=given)
@@ -447,7 +447,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     given = given_options(args)
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("demo"))
-    check_cells(config, list(STRATEGIES), given, out)
+    check_cells(config, list(STRATEGIES), [args.workers], given, out)
     claim_run_dir(out, overwrite=args.overwrite)
     print(deterministic_notice(config))
     outcomes = run_matrix(config, list(STRATEGIES), [args.workers], out, given=given)

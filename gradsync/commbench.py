@@ -202,7 +202,7 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
 
     threads = config.launch.threads or default_threads(env.local_world_size)
     torch.set_num_threads(threads)
-    join_process_group("gloo", env, timedelta(seconds=config.launch.timeout_s))
+    join_process_group(env, timedelta(seconds=config.launch.timeout_s))  # CPU: Gloo
     try:
         node = node_local_group(env.node_rank)
         placement = all_gather_json(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.config import TrainConfig
+from gradsync.devices import rank_device
 from gradsync.devices import resolve as resolve_device
 from gradsync.errors import JobFailed
 from gradsync.launch import launch_local
@@ -21,15 +22,21 @@ from gradsync.strategies import check_strategy
 LOG_FILE = "stdout.log"
 
 
-def validate(config: TrainConfig) -> None:
+def validate(config: TrainConfig, *, one_rank: bool = False) -> None:
     """Every check that can fail before any process starts (UserError on failure).
 
     A user model is built once here and run on two samples, so a wrong return type, a loss
     that is not a scalar or a model without parameters is one line before launch.
+    ``one_rank``: this process is one rank of torchrun's, Slurm's or mpirun's job, which
+    cannot count its node's ranks (the rendezvous checks their GPUs).
     """
     check_model(config.model, config.preset, config.model_options)
     check_strategy(config)
-    resolve_device(config)  # --device cuda that this machine cannot give: refused here
+    # --device cuda that this machine cannot give: refused here, before the run folder.
+    if one_rank:
+        rank_device(config)
+    else:
+        resolve_device(config)
     if is_user_model(config.model):
         workload = build_workload(
             config.model,

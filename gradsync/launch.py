@@ -228,8 +228,8 @@ def _decide_device(config: TrainConfig) -> TrainConfig:
     if config.launch.device == "auto" and decided.launch.device == "cpu" and visible_gpus():
         print(
             f"gradsync: training on the CPU over Gloo: {config.strategy} with "
-            f"{world_size_of(config)} ranks cannot have a GPU per rank here "
-            "(see --device in the README)",
+            f"{world_size_of(config) // config.launch.num_nodes} ranks on this node cannot "
+            "have a GPU per rank here (see Devices in the README)",
             file=sys.stderr,
             flush=True,
         )

@@ -9,7 +9,10 @@ store. So a cluster user meets these as one clear line instead of a hang or a tr
 - a master address that does not resolve;
 - ranks started with different world sizes (two launches that do not match);
 - a node with another gradsync or torch version (the node is named);
-- ranks that never arrive (the missing ranks are named).
+- ranks that never arrive (the missing ranks are named);
+- ``--device cuda`` where a rank has no GPU, or two ranks of a host share one (NCCL refuses
+  that). Under ``--device auto`` the same finding puts every rank on the CPU instead: the
+  ranks train on one device, which the verdict names (:func:`agreed_device`).
 """
 
 from __future__ import annotations
@@ -45,12 +48,19 @@ class RankInfo:
     host: str
     gradsync: str = __version__
     torch: str = torch.__version__
+    wants: str = "cpu"  # --device as the rank was started: auto, cpu or cuda
+    device: str = "cpu"  # what it can train on: "cuda" with a GPU of its own, else "cpu"
+    gpu: str = ""  # that GPU's UUID
 
     @classmethod
-    def here(cls, env: RankEnv) -> RankInfo:
+    def here(
+        cls, env: RankEnv, *, wants: str = "cpu", device: str = "cpu", gpu: str = ""
+    ) -> RankInfo:
         """This process's entry (the emulated host's name where there is one)."""
         host = os.environ.get("GRADSYNC_EMULATED_HOST") or socket.gethostname()
-        return cls(rank=env.rank, world_size=env.world_size, host=host)
+        return cls(
+            rank=env.rank, world_size=env.world_size, host=host, wants=wants, device=device, gpu=gpu
+        )
 
 
 def check_resolves(master_addr: str) -> None:
@@ -95,6 +105,40 @@ def disagreement(infos: Sequence[RankInfo]) -> str | None:
     return None
 
 
+def agreed_device(infos: Sequence[RankInfo]) -> tuple[str, str | None]:
+    """The device every rank trains on, and the error when rank 0 asked for the GPUs
+    (``--device cuda``) and they cannot be had: a rank without one, or two ranks of one host
+    on the same GPU. Otherwise (``auto``) that finding means the CPU for every rank.
+
+    Example:
+        >>> a = RankInfo(rank=0, world_size=2, host="n1", wants="auto", device="cuda", gpu="G0")
+        >>> b = RankInfo(rank=1, world_size=2, host="n1", wants="auto", device="cuda", gpu="G0")
+        >>> agreed_device([a, b])
+        ('cpu', None)
+        >>> from dataclasses import replace
+        >>> agreed_device([a, replace(b, gpu="G1")])
+        ('cuda', None)
+    """
+    reason = None
+    seen: dict[tuple[str, str], RankInfo] = {}
+    for info in infos:
+        if info.device != "cuda":
+            reason = f"rank {info.rank} on {info.host} has no GPU"
+            break
+        other = seen.setdefault((info.host, info.gpu), info)
+        if other is not info:
+            reason = f"ranks {other.rank} and {info.rank} on {info.host} share GPU {info.gpu}"
+            break
+    if reason is None:
+        return "cuda", None
+    if infos[0].wants != "cuda":
+        return "cpu", None
+    return "cpu", (
+        f"--device cuda gives each rank a GPU of its own, but {reason}; start one process per "
+        "GPU (or set CUDA_VISIBLE_DEVICES per rank), or use --device cpu"
+    )
+
+
 def _world_size_message(first: RankInfo, other: RankInfo) -> str:
     return (
         f"ranks disagree on the world size: rank 0 on {first.host} was started with "
@@ -103,11 +147,14 @@ def _world_size_message(first: RankInfo, other: RankInfo) -> str:
     )
 
 
-def rendezvous(env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None) -> dist.Store:
-    """Meet the other ranks at ``env.master_addr:master_port``; the store once all agree.
+def rendezvous(
+    env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None
+) -> tuple[dist.Store, str]:
+    """Meet the other ranks at ``env.master_addr:master_port``; once all agree, the store
+    and the device every rank trains on (:func:`agreed_device`).
 
     Example:
-        >>> # store = rendezvous(env, timedelta(seconds=60))
+        >>> # store, device = rendezvous(env, timedelta(seconds=60))
         >>> # dist.init_process_group("gloo", store=store, rank=env.rank, world_size=...)
     """
     info = info or RankInfo.here(env)
@@ -126,21 +173,25 @@ def rendezvous(env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None
     leader = RankInfo(**verdict["leader"])
     if leader.world_size != info.world_size:  # a rank rank 0 does not know of
         raise UserError(_world_size_message(leader, info))
-    return store
+    return store, verdict["device"]
 
 
-def join_process_group(backend: str, env: RankEnv, timeout: timedelta) -> None:
-    """:func:`rendezvous`, then the default process group on the same store.
+def join_process_group(env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None) -> str:
+    """:func:`rendezvous`, then the default process group on the same store; returns the
+    device the ranks agreed on. On GPUs, CUDA tensors travel over NCCL and the CPU tensors
+    of gradsync's own bookkeeping (probes, RNG states, objects) over Gloo, in the same groups.
 
     Example:
-        >>> # join_process_group("gloo", env, timedelta(seconds=300))
+        >>> # device = join_process_group(env, timedelta(seconds=300))  # "cpu": Gloo only
     """
     global _joined
-    store = rendezvous(env, timeout)
+    store, device = rendezvous(env, timeout, info=info)
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
     _joined = True
+    return device
 
 
 def finish_process(code: int) -> int:
@@ -226,9 +277,11 @@ def _verdict(store: dist.Store, first: RankInfo, timeout: timedelta) -> dict[str
             f"rendezvous within {timeout.total_seconds():.0f} s; start every rank (or pass "
             "--timeout with more seconds)",
             "leader": asdict(first),
+            "device": "cpu",
         }
     infos = [RankInfo(**json.loads(store.get(key))) for key in keys]
-    return {"error": disagreement(infos), "leader": asdict(first)}
+    device, error = agreed_device(infos)
+    return {"error": disagreement(infos) or error, "leader": asdict(first), "device": device}
 
 
 def _get(store: dist.Store, key: str, env: RankEnv, timeout: timedelta) -> bytes:
@@ -244,6 +297,7 @@ def _get(store: dist.Store, key: str, env: RankEnv, timeout: timedelta) -> bytes
 
 __all__ = [
     "RankInfo",
+    "agreed_device",
     "check_resolves",
     "disagreement",
     "finish_process",

@@ -35,7 +35,7 @@ from gradsync.models.base import Workload
 from gradsync.optim import Updater, effective_lr
 from gradsync.probe import missing_on_any_worker, params_without_gradient
 from gradsync.progress import StepProgress
-from gradsync.rendezvous import finish_process, join_process_group
+from gradsync.rendezvous import RankInfo, finish_process, join_process_group
 from gradsync.resume import checkpoint_step, restore, rng_tensors
 from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
@@ -62,15 +62,17 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
     # float64 (verify's default) makes every tensor gradsync or the model creates float64:
     # parameters, data, gradients, messages, server state, BatchNorm statistics.
     torch.set_default_dtype(getattr(torch, config.dtype))
-    device = _device(config, env)
+    device = _proposed_device(config, env)
     distributed = env.world_size > 1 or config.strategy != "single"
     if distributed:
-        # On GPUs, CUDA tensors go over NCCL and the CPU tensors of gradsync's own
-        # bookkeeping (probes, RNG states, objects) over Gloo, in the same groups.
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         beat("rendezvous")  # the rendezvous has its own timeout, naming missing ranks
-        # The ranks check that they belong together (world size, versions) first.
-        join_process_group(backend, env, timedelta(seconds=config.launch.timeout_s))
+        # The ranks check that they belong together (world size, versions, a GPU each).
+        info = RankInfo.here(
+            env, wants=config.launch.device, device=device.type, gpu=_gpu_id(device)
+        )
+        timeout = timedelta(seconds=config.launch.timeout_s)
+        if join_process_group(env, timeout, info=info) == "cpu":
+            device = torch.device("cpu")
     beat("build")
     try:
         _train_and_record(config, env, device, threads)
@@ -351,22 +353,27 @@ def _write_checkpoint(
         save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng}, meta)
 
 
-def _device(config: TrainConfig, env: RankEnv) -> torch.device:
-    """This rank's device: gradsync's launcher decided it; under torchrun, Slurm or mpirun
-    (still "auto") each rank decides the same from its node's rank count."""
-    from gradsync.devices import job_device
-    from gradsync.strategies.base import ServerStrategy
+def _proposed_device(config: TrainConfig, env: RankEnv) -> torch.device:
+    """This rank's device, as it proposes it to the rendezvous: gradsync's launcher already
+    decided "cpu" or "cuda"; under torchrun, Slurm or mpirun ("auto") a GPU where the rank
+    sees one, the ``local_rank``-th (modulo the visible ones, so a rank bound to its own GPU
+    by ``CUDA_VISIBLE_DEVICES`` takes that one)."""
+    from gradsync.devices import rank_device
 
-    device = job_device(
-        config.launch.device,
-        local_ranks=env.local_world_size,
-        servers=issubclass(strategy_class(config.strategy), ServerStrategy),
-        strategy=config.strategy,
-    )
-    if device == "cpu":
+    if rank_device(config) == "cpu":
         return torch.device("cpu")
-    torch.cuda.set_device(env.local_rank)  # one GPU per rank
-    return torch.device("cuda", env.local_rank)
+    index = env.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _gpu_id(device: torch.device) -> str:
+    """The physical GPU behind ``device`` ("" on the CPU): how the rendezvous tells that two
+    ranks of a host share one."""
+    if device.type != "cuda":
+        return ""
+    properties = torch.cuda.get_device_properties(device)
+    return str(getattr(properties, "uuid", "") or f"{properties.name} #{device.index}")
 
 
 def main(argv: list[str]) -> int:

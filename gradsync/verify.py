@@ -121,8 +121,8 @@ def run_matrix(
         >>> # run_matrix(TrainConfig(model="mnist-cnn", preset="tiny", steps=20),
         >>> #            ["ddp", "allreduce"], [2, 4], Path("runs/verify"))
     """
-    cells = [(REFERENCE, 1)] + [(s, w) for w in workers for s in strategies if s != REFERENCE]
-    configs = on_one_device([cell_config(base, s, w, out, given) for s, w in cells])
+    cells = _cells(strategies, workers)
+    configs = _cell_configs(base, cells, out, given)
     labels = {config.out: spec for config, (spec, _) in zip(configs, cells, strict=True)}
     for config in configs:
         validate(config)  # every cell is checked before the first one runs
@@ -296,13 +296,28 @@ def cell_config(
     return base.replace(strategy=name, strategy_options=options, workers=workers, out=cell_out)
 
 
+def _cells(strategies: Sequence[str], workers: Sequence[int]) -> list[tuple[str, int]]:
+    """(strategy spec, workers) of every job: ``single`` first, once."""
+    return [(REFERENCE, 1)] + [(s, w) for w in workers for s in strategies if s != REFERENCE]
+
+
+def _cell_configs(
+    base: TrainConfig, cells: Sequence[tuple[str, int]], out: Path, given: Mapping[str, Any] | None
+) -> list[TrainConfig]:
+    """The jobs of ``cells``, all on one device (the CPU when any cannot have the GPUs)."""
+    return on_one_device([cell_config(base, spec, w, out, given) for spec, w in cells])
+
+
 def check_cells(
-    base: TrainConfig, strategies: Sequence[str], given: Mapping[str, Any], out: Path
+    base: TrainConfig,
+    strategies: Sequence[str],
+    workers: Sequence[int],
+    given: Mapping[str, Any],
+    out: Path,
 ) -> None:
-    """UserError, before any job, for a bad strategy spec or a command-line option that
-    none of ``strategies`` takes."""
-    for spec in strategies:
-        cell_config(base, spec, 1 if spec == REFERENCE else 2, out, given)
+    """UserError, before any job, for a bad strategy spec, a device the jobs cannot have
+    or a command-line option that none of ``strategies`` takes."""
+    _cell_configs(base, _cells(strategies, workers), out, given)
     taken = {key for spec in strategies for key in field_names(options_class(spec.split(":")[0]))}
     if unused := sorted(set(given) - taken):
         names = ", ".join("--" + key.replace("_", "-") for key in unused)

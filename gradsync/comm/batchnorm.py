@@ -78,8 +78,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
         # needs their global sums. The global moments are given as the saved batch moments
         # (training mode), which every device's kernel accepts; CUDA's refuses them as
         # running statistics.
+        # Σ dy·x̂ does not depend on the weight; CUDA's kernel needs one to size its output.
+        some_weight = weight if weight is not None else torch.ones_like(mean)
         _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
-            grad_out, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
+            grad_out, x, some_weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
         )
         sums = torch.cat([grad_bias, grad_weight])
         if dist.get_world_size(ctx.group) > 1:

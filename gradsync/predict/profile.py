@@ -673,14 +673,16 @@ class _SparseRowWork:
 
     def measure(self, name: str, param: Any, mine: Any, clock: _StepClock) -> None:
         """Time the server's work on ``mine``, this step's coalesced (rows, values) of
-        ``param``, and record where the rows lie."""
+        ``param``, and record where the rows lie. On the CPU whatever the profiled device:
+        servers are CPU processes."""
         import torch
 
         from gradsync.comm.lazy import LazyMomentumRows
 
         num_rows = param.shape[0]
+        mine = tuple(part.cpu() for part in mine)
         if name not in self.tables:
-            values = param.detach().reshape(num_rows, -1).clone()
+            values = param.detach().reshape(num_rows, -1).cpu().clone()
             self.tables[name] = LazyMomentumRows(values, momentum=self.momentum)
         bins = torch.bincount(mine[0] * ROW_BINS // num_rows, minlength=ROW_BINS)
         for i, share in enumerate((bins / max(1, len(mine[0]))).tolist()):

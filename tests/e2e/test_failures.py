@@ -68,6 +68,10 @@ BAD_INPUTS = {
     "single with workers": (["train", "--strategy", "single", "--workers", "2"], "--workers 1"),
     "bad flag": (["train", "--workers", "zero"], "not an integer"),
     "unknown optimizer": (["train", "--optimizer", "lamb"], "unknown optimizer"),
+    "verify on GPUs it cannot have": (
+        ["verify", "--model", "mnist-cnn", "--device", "cuda", "--strategies", "ps"],
+        "--device cuda",
+    ),
     "server strategy on a GPU": (
         ["train", "--strategy", "ps", "--device", "cuda", "--steps", "1"],
         "trains on the CPU only",

@@ -261,7 +261,7 @@ OPEN_MPI_TWO_NODES = {
 def ranks_started(no_launcher: pytest.MonkeyPatch) -> list:
     """Stand-ins for validation and the rank itself: record the RankEnv it would run as."""
     started: list = []
-    no_launcher.setattr("gradsync.jobs.validate", lambda config: None)
+    no_launcher.setattr("gradsync.jobs.validate", lambda config, **_: None)
     no_launcher.setattr(
         "gradsync.runtime.run_rank", lambda config, env: started.append((config, env))
     )

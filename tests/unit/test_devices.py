@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from gradsync.config import LaunchConfig, TrainConfig
-from gradsync.devices import job_device, on_one_device, resolve
+from gradsync.devices import job_device, on_one_device, rank_device, resolve
 from gradsync.errors import UserError
 
 
@@ -39,6 +39,22 @@ def test_auto_takes_the_gpus_only_when_every_rank_gets_one(local_ranks, servers,
 
 def test_cpu_is_the_cpu_whatever_the_machine_has():
     assert job_device("cpu", local_ranks=1, servers=False, gpus=8) == "cpu"
+
+
+def test_emulated_hosts_train_on_the_cpu():
+    assert job_device("auto", servers=False, local_ranks=2, emulated=True, gpus=8) == "cpu"
+    with pytest.raises(UserError, match="bypass their shaped links"):
+        job_device("cuda", servers=False, local_ranks=2, emulated=True, gpus=8)
+
+
+def test_a_rank_of_another_launcher_proposes_a_gpu_where_it_sees_one():
+    # torchrun's rank cannot count its node's ranks (Slurm may bind one GPU to each task):
+    # it proposes the GPU, and the rendezvous finds ranks that share one.
+    assert rank_device(_job("ddp", workers=8), gpus=1) == "cuda"
+    assert rank_device(_job("ddp", workers=8), gpus=0) == "cpu"
+    assert rank_device(_job("hybrid", workers=2), gpus=8) == "cpu"
+    with pytest.raises(UserError, match="CUDA is not available"):
+        rank_device(_job("ddp", workers=8, device="cuda"), gpus=0)
 
 
 @pytest.mark.parametrize(

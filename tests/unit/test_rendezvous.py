@@ -14,7 +14,7 @@ import pytest
 from gradsync import rendezvous
 from gradsync.errors import UserError
 from gradsync.launch import free_port
-from gradsync.rendezvous import RankInfo, check_resolves, disagreement
+from gradsync.rendezvous import RankInfo, agreed_device, check_resolves, disagreement
 from gradsync.topology import RankEnv
 
 TIMEOUT = timedelta(seconds=20)
@@ -112,3 +112,42 @@ def test_unresolvable_master_address_stops_the_rendezvous(monkeypatch: pytest.Mo
 
 def _refuse(master_addr: str) -> None:
     raise UserError("refused")
+
+
+def _gpu_rank(rank: int, gpu: str, *, host: str = "n0", wants: str = "auto") -> RankInfo:
+    return RankInfo(rank=rank, world_size=2, host=host, wants=wants, device="cuda", gpu=gpu)
+
+
+def test_ranks_train_on_gpus_only_when_each_has_its_own() -> None:
+    assert agreed_device([_gpu_rank(0, "G0"), _gpu_rank(1, "G1")]) == ("cuda", None)
+    # the same UUID on two hosts is two GPUs
+    assert agreed_device([_gpu_rank(0, "G0"), _gpu_rank(1, "G0", host="n1")]) == ("cuda", None)
+    # auto: one GPU for two ranks, or a rank without one, is the CPU for every rank
+    assert agreed_device([_gpu_rank(0, "G0"), _gpu_rank(1, "G0")]) == ("cpu", None)
+    assert agreed_device([_gpu_rank(0, "G0"), _info(1)]) == ("cpu", None)
+
+
+def test_cuda_that_the_ranks_cannot_have_is_one_line_on_every_rank() -> None:
+    shared = [_gpu_rank(0, "G0", wants="cuda"), _gpu_rank(1, "G0", wants="cuda")]
+    outcomes = _meet(shared)
+    expected = (
+        "--device cuda gives each rank a GPU of its own, but ranks 0 and 1 on n0 share GPU G0"
+    )
+    assert all(text.startswith(expected) and "\n" not in text for text in outcomes), outcomes
+    assert "--device cpu" in outcomes[0]
+
+
+def test_the_rendezvous_tells_every_rank_the_device() -> None:
+    port = free_port()
+    devices = [""] * 2
+
+    def rank(info: RankInfo) -> None:
+        _, devices[info.rank] = rendezvous.rendezvous(_env(info.rank, 2, port), TIMEOUT, info=info)
+
+    infos = [_gpu_rank(0, "G0"), _gpu_rank(1, "G0")]  # auto, one GPU for both
+    threads = [threading.Thread(target=rank, args=(info,)) for info in infos]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=2 * TIMEOUT.total_seconds())
+    assert devices == ["cpu", "cpu"]
