@@ -1,7 +1,8 @@
 """Checkpoints: one safetensors file (no pickle), written atomically, plus a JSON sidecar.
 
 Tensor names: ``param/<name>``, ``buffer/<name>``, ``optim/<param name>/<state key>``, and
-for ``--resume`` only: ``rng/worker<r>`` (every worker's RNG state) and, for ``hybrid`` with
+for ``--resume`` only: ``rng/worker<r>`` (every worker's RNG state; ``rng/cuda/worker<r>``
+its GPU's, on GPUs) and, for ``hybrid`` with
 momentum, ``lazy/<name>/…`` (the rows its servers have not caught up yet, see
 :mod:`gradsync.comm.lazy`). The metadata (model, preset, strategy, workers,
 step, seed, versions) lives in the safetensors header, which is authoritative: the

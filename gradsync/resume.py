@@ -135,24 +135,34 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
     return differences
 
 
-def rng_tensors(worker_group: Any, num_workers: int) -> dict[str, torch.Tensor]:
-    """Every worker's torch RNG state, gathered (a collective over the workers).
+def rng_tensors(
+    worker_group: Any, num_workers: int, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Every worker's torch RNG state, and its GPU's where it trains on one (dropout on a
+    GPU draws from that generator), gathered (a collective over the workers).
 
     Example:
         >>> sorted(rng_tensors(None, 1))
         ['rng/worker0']
     """
-    state = torch.get_rng_state()
-    if num_workers == 1 or not dist.is_initialized():
-        return {f"{RNG}worker0": state}
-    states = [torch.empty_like(state) for _ in range(num_workers)]
-    dist.all_gather(states, state, group=worker_group)
-    return {f"{RNG}worker{worker}": value for worker, value in enumerate(states)}
+    states = {"": torch.get_rng_state()}
+    if device is not None and device.type == "cuda":
+        states["cuda/"] = torch.cuda.get_rng_state(device)
+    gathered: dict[str, torch.Tensor] = {}
+    for kind, state in states.items():
+        if num_workers == 1 or not dist.is_initialized():
+            gathered[f"{RNG}{kind}worker0"] = state
+            continue
+        values = [torch.empty_like(state) for _ in range(num_workers)]
+        dist.all_gather(values, state, group=worker_group)
+        gathered.update({f"{RNG}{kind}worker{w}": value for w, value in enumerate(values)})
+    return gathered
 
 
 def restore(checkpoint: Checkpoint, strategy: Strategy, worker: int) -> int:
     """Put the checkpoint's state where ``strategy`` keeps it (its ``restore_state``) and
-    this worker's RNG state back; the number of steps done, where training goes on.
+    this worker's RNG states back (its GPU's too, where the run trained on one); the
+    number of steps done, where training goes on.
 
     Example:
         >>> # start = restore(load_checkpoint("runs/a"), strategy, worker=0)
@@ -162,6 +172,9 @@ def restore(checkpoint: Checkpoint, strategy: Strategy, worker: int) -> int:
     rng = checkpoint.tensors.get(f"{RNG}worker{worker}")
     if rng is not None:
         torch.set_rng_state(rng)
+    gpu_rng = checkpoint.tensors.get(f"{RNG}cuda/worker{worker}")
+    if gpu_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(gpu_rng)
     return steps_done
 
 

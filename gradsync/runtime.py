@@ -347,7 +347,7 @@ def _write_checkpoint(
     strategy: Strategy, out: Path, meta: dict[str, object], context: Context
 ) -> None:
     # Every worker's RNG state too, for --resume (a collective of the workers).
-    rng = rng_tensors(context.worker_group, context.num_workers)
+    rng = rng_tensors(context.worker_group, context.num_workers, context.device)
     tensors = strategy.checkpoint_tensors()
     if tensors is not None:
         save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng}, meta)
