@@ -69,6 +69,33 @@ def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
     check_writable(path, flag=flag)
 
 
+def claim_output_file(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
+    """Make sure ``path`` can be written as one output file, or raise a one-line UserError:
+    not a folder, its folder creatable and writable, and no existing file replaced unless
+    ``overwrite`` (so a trace or a profile never lands on another run's files).
+
+    Example:
+        >>> import tempfile
+        >>> target = Path(tempfile.mkdtemp()) / "profile.json"
+        >>> claim_output_file(target, overwrite=False)
+        >>> _ = target.write_text("{}")
+        >>> claim_output_file(target, overwrite=False)
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --out ... already exists; pass --overwrite to replace it, ...
+    """
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name a file (e.g. {path / 'out.json'})")
+    if path.exists() and not overwrite:
+        raise UserError(
+            f"{flag} {path} already exists; pass --overwrite to replace it, or pick another "
+            f"{flag}"
+        )
+    if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+        raise UserError(f"{flag} {path}: a folder on its path is a file; pick another {flag}")
+    check_writable(path.parent, flag=flag)
+
+
 def _other_node(name: str) -> bool:
     """Bookkeeping of another node of the same multi-node job, which may start first: its
     launch files, their atomic-write temporaries (a leading dot added) and its write probe."""
@@ -96,4 +123,4 @@ def check_writable(path: Path, *, flag: str = "--out") -> None:
         ) from None
 
 
-__all__ = ["RUN_MARKERS", "check_writable", "claim_run_dir"]
+__all__ = ["RUN_MARKERS", "check_writable", "claim_output_file", "claim_run_dir"]
