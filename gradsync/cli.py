@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import traceback
@@ -143,6 +144,11 @@ def _add_model_options(
     _add_reliability_options(parser)
 
 
+def _add_overwrite(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--overwrite`` of a command that writes a results folder (default: refuse a used one)."""
+    parser.add_argument("--overwrite", action="store_true", help=help)
+
+
 def _add_reliability_options(parser: argparse.ArgumentParser) -> None:
     """Issue 12's flags (run folders, hangs, resume, restarts); a separate hunk to port."""
     group = parser.add_argument_group("reliability")
@@ -274,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write each cell's Chrome trace (cells/<id>/trace.json)",
     )
+    _add_overwrite(bench, "replace the results in --out (of another experiment, or a sweep done)")
     bench.add_argument(
         "--launcher",
         choices=["local", "srun"],
@@ -371,7 +378,7 @@ def _timestamped(prefix: str) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gradsync.jobs import run_job, validate
+    from gradsync.jobs import claim_timeline, run_job, validate
     from gradsync.rundir import check_writable
     from gradsync.runtime import run_rank
     from gradsync.strategies import strategy_class
@@ -416,6 +423,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     validate(config, one_rank=True)
     check_writable(Path(config.out))
+    if env.rank == 0:
+        claim_timeline(config, overwrite=args.overwrite)
     run_rank(config, env)
     return EXIT_OK
 
@@ -426,7 +435,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from gradsync.strategies import STRATEGIES
     from gradsync.verify import check_cells, deterministic_notice, report_verify, run_matrix
 
-    strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
+    strategies = list(STRATEGIES) if args.strategies is None else args.strategies.split(",")
     given = given_options(args)
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("verify"))
@@ -466,6 +475,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if len(args.checkpoints) < 2:
         raise UserError("compare needs at least two checkpoints: REFERENCE OTHER [OTHER ...]")
+    if not 0 <= args.tolerance < math.inf:
+        raise UserError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     reference, *others = [load_checkpoint(path) for path in args.checkpoints]
     beyond = 0
     for other in others:
@@ -533,6 +544,7 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--master-port", type=int)
     bench.add_argument("--out", help="results folder")
+    _add_overwrite(bench, "replace the results in --out")
     _add_netem_options(bench)
 
 
@@ -547,6 +559,7 @@ def _milliseconds_list(text: str, flag: str) -> tuple[float, ...]:
 def cmd_commbench(args: argparse.Namespace) -> int:
     from gradsync.commbench import CommbenchConfig, parse_size, report, run_commbench, sizes_from
     from gradsync.config import LaunchConfig
+    from gradsync.rundir import claim_run_dir
 
     sizes = [parse_size(part) for part in args.sizes.split(",")] if args.sizes else None
     config = CommbenchConfig(
@@ -570,6 +583,7 @@ def cmd_commbench(args: argparse.Namespace) -> int:
             bandwidth=args.bandwidth,
         ),
     )
+    claim_run_dir(Path(config.out), overwrite=args.overwrite)
     payload = run_commbench(config)
     report(payload, Path(config.out))
     return EXIT_OK
@@ -590,6 +604,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         show_progress=sys.stdout.isatty(),
         timeline=args.timeline,
         launcher=args.launcher,
+        overwrite=args.overwrite,
     )
     failed = sum(r["status"] == "failed" for r in records)
     report = write_report(out)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import JobFailed, UserError
+from gradsync.files import atomic_write_text
 
 if TYPE_CHECKING:
     from gradsync.bench.experiment import Experiment
@@ -184,13 +185,24 @@ def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
         "--print-sbatch", action="store_true", help="print the script instead of writing it"
     )
     sbatch.add_argument("--submit", action="store_true", help="also submit it with sbatch")
+    sbatch.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results in --out (of another experiment, or a sweep done)",
+    )
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
     """``gradsync sbatch``: write (or print, or submit) the job script of an experiment."""
     from gradsync.bench.experiment import load_experiment
+    from gradsync.bench.sweep import claim_results_dir
 
     experiment = load_experiment(args.experiment)
+    for option in args.sbatch_option:
+        if "\n" in option or "\r" in option:
+            raise UserError(
+                f"--sbatch-option {option!r} holds a line break; give one #SBATCH option each"
+            )
     shape = job_shape(
         experiment,
         tasks_per_node=args.tasks_per_node,
@@ -204,9 +216,11 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.print_sbatch:
         print(script, end="")
         return 0
-    results.mkdir(parents=True, exist_ok=True)
+    # The folder the job's sweep will fill: new, or this experiment's own (it resumes there).
+    claim_results_dir(results, experiment, overwrite=args.overwrite)
+    shutil.copyfile(experiment.path, results / "experiment.toml")
     path = results / SCRIPT_NAME
-    path.write_text(script)
+    atomic_write_text(path, script)
     print(
         f"{path}: {len(experiment.cells())} cells on {shape.nodes} node(s) × "
         f"{shape.tasks_per_node} task(s), {shape.cpus_per_task} CPU(s) per task, time limit "
@@ -229,8 +243,12 @@ def parse_time_limit(text: str) -> int:
         raise UserError(f"--time {text!r} is not a time limit; write [D-]HH:MM:SS or minutes")
     days, hours, minutes, seconds, only_minutes = match.groups()
     if only_minutes is not None:
-        return int(only_minutes) * 60
-    return int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
+        limit = int(only_minutes) * 60
+    else:
+        limit = int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
+    if limit == 0:
+        raise UserError(f"--time {text!r} is zero, which Slurm reads as no limit; give a time")
+    return limit
 
 
 def submit(script: Path) -> str:

@@ -172,6 +172,7 @@ class CommbenchConfig:
             )
         if self.launch.num_nodes != 1:
             raise UserError("commbench runs on one machine; drop --nnodes")
+        self.launch.check(self.workers)  # --master-port, --timeout, --threads
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

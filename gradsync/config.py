@@ -209,6 +209,11 @@ class TrainConfig:
             )
         if self.measure_warmup is not None and self.measure_warmup < 0:
             raise UserError(f"--measure-warmup must be >= 0, got {self.measure_warmup}")
+        if self.measure_warmup is not None and self.measure_warmup >= self.steps:
+            raise UserError(
+                f"--measure-warmup {self.measure_warmup} leaves none of --steps {self.steps} "
+                "to measure; use fewer warm-up steps or more steps"
+            )
         if self.checkpoint_every < 0:
             raise UserError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.data is not None and ":" not in self.data and not Path(self.data).exists():

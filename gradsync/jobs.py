@@ -16,7 +16,7 @@ from gradsync.metrics import load_summary
 from gradsync.models import build_workload, check_model
 from gradsync.models.user import check_user_step, is_user_model
 from gradsync.resume import check_resume, checkpoint_step, resumable
-from gradsync.rundir import check_writable, claim_run_dir
+from gradsync.rundir import check_writable, claim_output_file, claim_run_dir
 from gradsync.strategies import check_strategy
 
 LOG_FILE = "stdout.log"
@@ -59,12 +59,27 @@ def prepare_out(config: TrainConfig, *, overwrite: bool) -> None:
         >>> # prepare_out(config, overwrite=False)  # exit 2 if config.out holds a run
     """
     out = Path(config.out)
+    if config.launch.node_rank == 0:
+        claim_timeline(config, overwrite=overwrite)  # before the folder: nothing made yet
     if config.resume:
         check_resume(config, out)
     elif config.launch.node_rank == 0:
         claim_run_dir(out, overwrite=overwrite)
     else:
         check_writable(out)
+
+
+def claim_timeline(config: TrainConfig, *, overwrite: bool) -> None:
+    """Check ``--timeline``'s file before launch (rank 0 writes it at the end): never a
+    folder, nor a file already there unless ``overwrite`` (a resumed run writes its own
+    again).
+
+    Example:
+        >>> claim_timeline(TrainConfig(timeline=None), overwrite=False)  # nothing to check
+    """
+    if config.timeline is not None:
+        path, again = Path(config.timeline), overwrite or config.resume
+        claim_output_file(path, overwrite=again, flag="--timeline")
 
 
 def run_job(
@@ -110,4 +125,4 @@ def _restart_config(config: TrainConfig, failure: JobFailed, attempt: int) -> Tr
     return config.replace(resume=bool(step))
 
 
-__all__ = ["LOG_FILE", "prepare_out", "run_job", "validate"]
+__all__ = ["LOG_FILE", "claim_timeline", "prepare_out", "run_job", "validate"]

@@ -88,8 +88,7 @@ def claim_output_file(path: Path, *, overwrite: bool, flag: str = "--out") -> No
         raise UserError(f"{flag} {path} is a folder; name a file (e.g. {path / 'out.json'})")
     if path.exists() and not overwrite:
         raise UserError(
-            f"{flag} {path} already exists; pass --overwrite to replace it, or pick another "
-            f"{flag}"
+            f"{flag} {path} already exists; pass --overwrite to replace it, or pick another {flag}"
         )
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         raise UserError(f"{flag} {path}: a folder on its path is a file; pick another {flag}")

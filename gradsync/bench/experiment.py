@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -463,6 +464,11 @@ def _published_gain(value: Any, where: str) -> PublishedGain:
 
 
 def _check_names(experiment: Experiment, where: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", experiment.name):
+        raise UserError(
+            f"{where}: name {experiment.name!r} is not a plain folder name (it names "
+            "results/<name>); use letters, digits, '.', '_' and '-'"
+        )
     for strategy in experiment.strategies:
         if strategy not in STRATEGIES:
             raise UserError(

@@ -40,6 +40,7 @@ from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
+from gradsync.rundir import check_writable, claim_run_dir
 
 RESULTS_FILE = "results.jsonl"
 CELLS_DIR = "cells"
@@ -190,11 +191,13 @@ def run_sweep(
     show_progress: bool = True,
     timeline: bool = False,
     launcher: str = "local",
+    overwrite: bool = False,
 ) -> list[dict]:
     """Run every cell not yet recorded as ok; return all records.
 
     ``launcher`` is ``local`` (processes on this machine) or ``srun`` (each cell one step
-    of the current Slurm allocation, see :mod:`gradsync.cluster`).
+    of the current Slurm allocation, see :mod:`gradsync.cluster`). ``out`` is claimed
+    once every cell is checked (:func:`claim_results_dir`; ``overwrite`` starts afresh).
     """
     run = _job_runner(launcher)
     cells = experiment.cells()
@@ -204,7 +207,7 @@ def run_sweep(
     for config in configs.values():
         validate(config)  # a bad matrix fails before the first job, not halfway
     check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
-    out.mkdir(parents=True, exist_ok=True)
+    claim_results_dir(out, experiment, overwrite=overwrite)
     shutil.copyfile(experiment.path, out / "experiment.toml")
     todo, done = _cells_to_run(cells, configs, out)
     if done or len(todo) < len(cells):
@@ -224,6 +227,26 @@ def run_sweep(
             results.write(json.dumps(record) + "\n")
             results.flush()
     return load_results(out)
+
+
+def claim_results_dir(out: Path, experiment: Experiment, *, overwrite: bool) -> None:
+    """``out`` for ``experiment``'s results: new, or empty, or holding this very experiment
+    file's results (a sweep goes on where it stopped). Another experiment's results, or any
+    other files, are refused in one line unless ``overwrite``.
+
+    Example:
+        >>> # claim_results_dir(Path("results/scaling"), load_experiment(path), overwrite=False)
+    """
+    stored = out / "experiment.toml"
+    if not overwrite and stored.is_file():
+        if stored.read_bytes() == Path(experiment.path).read_bytes():
+            check_writable(out)
+            return
+        raise UserError(
+            f"--out {out} holds the results of another experiment file ({stored}); pass "
+            "--overwrite to replace them, or pick another --out"
+        )
+    claim_run_dir(out, overwrite=overwrite)
 
 
 def _job_runner(launcher: str) -> Callable[[TrainConfig], dict[str, Any]]:
