@@ -230,23 +230,32 @@ def run_sweep(
 
 
 def claim_results_dir(out: Path, experiment: Experiment, *, overwrite: bool) -> None:
-    """``out`` for ``experiment``'s results: new, or empty, or holding this very experiment
-    file's results (a sweep goes on where it stopped). Another experiment's results, or any
-    other files, are refused in one line unless ``overwrite``.
+    """``out`` for ``experiment``'s results: new, or empty, or holding this experiment's
+    results (a sweep goes on where it stopped; cells whose settings changed run again).
+    Another experiment's results, or any other files, are refused in one line unless
+    ``overwrite``.
 
     Example:
         >>> # claim_results_dir(Path("results/scaling"), load_experiment(path), overwrite=False)
     """
-    stored = out / "experiment.toml"
-    if not overwrite and stored.is_file():
-        if stored.read_bytes() == Path(experiment.path).read_bytes():
-            check_writable(out)
-            return
+    if overwrite or not (out / "experiment.toml").is_file():
+        claim_run_dir(out, overwrite=overwrite)
+    elif _holds_results_of(out, experiment):
+        check_writable(out)
+    else:
         raise UserError(
-            f"--out {out} holds the results of another experiment file ({stored}); pass "
-            "--overwrite to replace them, or pick another --out"
+            f"--out {out} holds the results of another experiment than {experiment.name!r}; "
+            "pass --overwrite to replace them, or pick another --out"
         )
-    claim_run_dir(out, overwrite=overwrite)
+
+
+def _holds_results_of(out: Path, experiment: Experiment) -> bool:
+    """Whether ``out``'s results are ``experiment``'s: its records name it, or (none yet,
+    as after ``gradsync sbatch``) its copy of the experiment file is the same file."""
+    names = {record.get("experiment") for record in load_results(out)} - {None}
+    if names:
+        return names == {experiment.name}
+    return (out / "experiment.toml").read_bytes() == Path(experiment.path).read_bytes()
 
 
 def _job_runner(launcher: str) -> Callable[[TrainConfig], dict[str, Any]]:

@@ -54,9 +54,9 @@ def test_bench_refuses_another_experiments_results(workdir: Path) -> None:
     results = workdir / "results"
     results.mkdir()
     (results / "experiment.toml").write_text(first.read_text())
-    (results / "results.jsonl").write_text("")
+    (results / "results.jsonl").write_text('{"id": "cell", "experiment": "first"}\n')
     result = gradsync("bench", str(second), "--out", "results", cwd=workdir)
-    _refused(result, "holds the results of another experiment file")
+    _refused(result, "holds the results of another experiment")
     assert (results / "experiment.toml").read_text() == first.read_text()
 
 
