@@ -24,6 +24,10 @@ RUN_MARKERS = (
     "verify.json",
     "results.jsonl",
     "commbench.json",
+    # predict, predict --validate, predict --experiment:
+    "predictions.json",
+    "cells.jsonl",
+    "predict-experiment.json",
 )
 
 

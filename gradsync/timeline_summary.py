@@ -108,16 +108,51 @@ class TraceSummary:
 
 
 def load_trace(path: Path) -> dict[str, Any]:
+    """The Chrome trace ``path`` as ``--timeline`` writes it; anything else (not JSON, a
+    binary file, a trace ``gradsync predict`` wrote) is a one-line UserError.
+
+    Example:
+        >>> # load_trace(Path("runs/a/trace.json"))["traceEvents"][0]["ph"]
+    """
     try:
         trace = json.loads(path.read_text())
         if not isinstance(trace["traceEvents"], list):
             raise TypeError("traceEvents is not a list")
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:  # ValueError: not UTF-8/JSON
         raise UserError(
             f"{path} is not a gradsync Chrome-trace file ({error}); write one with "
             "gradsync train --timeline PATH"
         ) from None
+    if is_predicted_trace(trace):
+        raise UserError(
+            f"{path} is a predicted step from gradsync predict (one process per strategy, no "
+            "measured steps): open it in Perfetto beside a measured trace; summarize traces "
+            "written by gradsync train --timeline PATH"
+        )
     return trace
+
+
+# How gradsync predict's trace.json names each of its processes (one per strategy).
+PREDICTED = "predicted "
+
+
+def is_predicted_trace(trace: dict[str, Any]) -> bool:
+    """Whether ``trace`` is a ``gradsync predict`` trace.json: its processes are strategies
+    (named ``predicted <strategy> (...)``), its spans simulated, it has no measured steps.
+
+    Example:
+        >>> event = {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "predicted ddp"}}
+        >>> is_predicted_trace({"traceEvents": [event]})
+        True
+    """
+    names = (
+        event["args"].get("name")
+        for event in trace["traceEvents"]
+        if isinstance(event, dict)
+        and event.get("name") == "process_name"
+        and isinstance(event.get("args"), dict)
+    )
+    return any(isinstance(name, str) and name.startswith(PREDICTED) for name in names)
 
 
 def close_spans(events: list[dict[str, Any]]) -> dict[tuple[int, int], list[Span]]:
@@ -125,6 +160,8 @@ def close_spans(events: list[dict[str, Any]]) -> dict[tuple[int, int], list[Span
     spans: dict[tuple[int, int], list[Span]] = defaultdict(list)
     open_spans: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
     for event in events:
+        if event["ph"] not in ("B", "E"):  # metadata (no tid on a process's), X, i, C
+            continue
         track = (event["pid"], event["tid"])
         if event["ph"] == "B":
             open_spans[track].append(event)

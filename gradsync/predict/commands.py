@@ -6,17 +6,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import UserError
+from gradsync.predict.toml_keys import TomlKeys, read_toml
 
 if TYPE_CHECKING:
+    from gradsync.predict.network import Network
     from gradsync.predict.profile import Profile
+    from gradsync.predict.simulate import StrategyChoice
 
 DEFAULT_STRATEGIES = "ddp,allreduce,ps,hybrid,p3"
 DEFAULT_WORKERS = "1,2,4,8,16,32,64"
@@ -76,6 +81,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     profile.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     profile.add_argument("--out", required=True, metavar="PROFILE.json")
+    profile.add_argument(
+        "--overwrite", action="store_true", help="replace an existing profile file"
+    )
 
     predict = commands.add_parser(
         "predict",
@@ -161,6 +169,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "is measured first from its model, preset and batch keys",
     )
     predict.add_argument("--out", help="results folder (default: runs/predict-<time>)")
+    predict.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results already in --out (only a folder of gradsync's outputs); "
+        "--validate without it goes on with the cells an earlier run measured there",
+    )
 
 
 def _strategy_specs(args: argparse.Namespace) -> list[str]:
@@ -191,7 +205,9 @@ def _worker_counts(text: str) -> list[int]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """``gradsync profile``: measure one worker's step and write its profile to ``--out``."""
     from gradsync.predict.profile import ProfileRequest, measure_profile
+    from gradsync.rundir import claim_output_file
 
     request = ProfileRequest(
         model=args.model,
@@ -209,6 +225,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         batchnorm=args.batchnorm,
         dropout=not args.deterministic,
     )
+    claim_output_file(Path(args.out), overwrite=args.overwrite)  # before minutes of measuring
     profile = measure_profile(request)
     profile.save(Path(args.out))
     print(
@@ -248,72 +265,184 @@ EXPERIMENT_KEYS = {
     "colocate",
     "out",
 }
+# What `predict --experiment` writes at the top of its results folder, beside a folder per
+# model: the experiment it ran (rundir.RUN_MARKERS names it, so --overwrite may clear it).
+EXPERIMENT_RECORD = "predict-experiment.json"
+
+
+def _experiment_options(keys: TomlKeys) -> dict[str, Any]:
+    """The experiment file's values of predict's options (those it sets), each typed."""
+    from gradsync.predict.network import check_shared_cores
+    from gradsync.predict.profile import check_compute_speedup
+
+    options: dict[str, Any] = {}
+    for key, item, example in (
+        ("strategies", str, '["allreduce", "ps:servers=2"]'),
+        ("workers", int, "[1, 2, 4, 8]"),
+        ("bandwidth", str, '["1gbit", "25gbit"]'),
+    ):
+        if key in keys:
+            options[key] = keys.comma_list(key, item, example=example)
+    for key, example in (("latency", '"25us"'), ("queue", '"0"')):
+        if key in keys:
+            options[key] = keys.text(key, example=example)
+    for key in ("ranks_per_host", "servers"):
+        if key in keys:
+            options[key] = keys.count(key)
+    if "colocate" in keys:
+        options["colocate"] = keys.flag("colocate")
+    if "compute_speedup" in keys:
+        where = f"{keys.path}: compute_speedup"
+        options["compute_speedup"] = check_compute_speedup(keys.raw["compute_speedup"], where)
+    if "shared_cores" in keys:
+        check_shared_cores(keys.raw["shared_cores"], f"{keys.path}: shared_cores")
+        options["shared_cores"] = keys.raw["shared_cores"]
+    return options
+
+
+def _missing_profiles(profiles: dict[str, str], preset: str, path: Path) -> dict[str, Path]:
+    """The experiment's profiles still to measure (of models gradsync has, at ``preset``),
+    by model; a model that is no plain name (its results go to a folder of that name) or a
+    profile that does not load is a UserError."""
+    from gradsync.models import check_model
+    from gradsync.predict.profile import Profile
+
+    missing = {}
+    for model, profile in profiles.items():
+        if model in (".", "..") or Path(model).name != model:
+            raise UserError(
+                f"{path}: profiles key {model!r} is not a plain name (each model's results go "
+                f'to a folder of that name under out); write e.g. vgg16 = "{profile}"'
+            )
+        if Path(profile).is_file():
+            Profile.load(profile)
+        else:
+            check_model(model, preset)
+            missing[model] = Path(profile)
+    return missing
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
     """``--experiment FILE.toml``: its keys fill the options; ``[profiles]`` maps models to
     profile files, each predicted into ``out/<model>`` (a missing profile is measured
-    first: the model at ``preset`` and ``batch``, 1 thread)."""
-    from gradsync.predict.profile import ProfileRequest, measure_profile
-    from gradsync.predict.validate import read_toml
+    first: the model at ``preset`` and ``batch``, 1 thread). Every key and option is
+    checked, and ``out`` claimed, before anything is measured or written."""
+    from gradsync.files import atomic_write_text
+    from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
+    from gradsync.rundir import claim_output_file, claim_run_dir
 
     path = Path(args.experiment)
     example = "experiments/predict-horovod-scaling.toml"
-    raw = read_toml(path, "--experiment", EXPERIMENT_KEYS, example=example)
-    if not isinstance(raw.get("profiles"), dict) or not raw["profiles"]:
+    keys = TomlKeys(read_toml(path, "--experiment", EXPERIMENT_KEYS, example=example), path)
+    profiles = keys.text_table("profiles", example='{ vgg16 = "profiles/vgg16.json" }')
+    if not profiles:
         raise UserError(f'{path}: needs a [profiles] table, e.g. vgg16 = "profiles/vgg16.json"')
-    for key in EXPERIMENT_KEYS & set(raw) - {"profiles", "preset", "batch", "out"}:
-        value = raw[key]
-        setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else value)
-    out = Path(args.out or raw.get("out", f"results/{path.stem}"))
-    for model, profile in raw["profiles"].items():
-        if not Path(profile).is_file():
-            request = ProfileRequest(
-                model=model, preset=raw.get("preset", "default"), batch=raw.get("batch")
-            )
+    vars(args).update(_experiment_options(keys))
+    preset = keys.text("preset", "default", example='"tiny"')
+    batch = keys.count("batch", None)
+    out = Path(args.out or keys.text("out", f"results/{path.stem}", example='"results/x"'))
+    options = _predict_options(args)
+    missing = _missing_profiles(profiles, preset, path)
+    claim_run_dir(out, overwrite=args.overwrite)
+    for model, profile in missing.items():  # after the claim: it may lie under out
+        claim_output_file(profile, overwrite=False, flag=f"{path}: profiles.{model}")
+    record = {"experiment": str(path), "profiles": profiles}
+    atomic_write_text(out / EXPERIMENT_RECORD, json.dumps(record, indent=1) + "\n")
+    for model, profile in profiles.items():
+        if model in missing:
+            request = ProfileRequest(model=model, preset=preset, batch=batch)
             print(f"profiling {model} ({request.preset}) into {profile}")
             measure_profile(request).save(Path(profile))
-        changes = {"experiment": None, "profile": profile, "out": str(out / model)}
-        cmd_predict(argparse.Namespace(**{**vars(args), **changes}))
+        claim_run_dir(out / model, overwrite=False)
+        _predict_into(out / model, Profile.load(profile), options, args)
     return EXIT_OK
 
 
-def cmd_predict(args: argparse.Namespace) -> int:
-    if args.validate:
-        return _validate(args)
-    if args.experiment:
-        return _run_experiment(args)
+@dataclass(frozen=True, kw_only=True)
+class _PredictOptions:
+    """``predict``'s options, parsed and checked: what to simulate, on which networks."""
+
+    specs: list[str]
+    choices: list[StrategyChoice]
+    workers: list[int]
+    latency_s: float
+    queue_s: float
+    networks: dict[str, Network]
+    shared_cores: int | None
+    compute_speedup: float
+
+
+def _predict_options(args: argparse.Namespace) -> _PredictOptions:
+    """Every option of ``predict`` parsed; a bad one is a UserError before any work."""
     from gradsync.predict.network import (
-        Cluster,
         Network,
         calibrate,
         check_shared_cores,
         parse_bandwidth,
         parse_latency,
     )
-    from gradsync.predict.profile import Profile
-    from gradsync.predict.report import HEADERS, recommendation_lines, table_rows, write_outputs
-    from gradsync.predict.sweep import parse_choice, predict_grid, recommend
-    from gradsync.tables import print_table
+    from gradsync.predict.profile import check_compute_speedup
+    from gradsync.predict.sweep import parse_choice
 
-    if not args.profile:
-        raise UserError("predict needs --profile PROFILE.json (or --validate FILE.toml)")
-    profile = Profile.load(args.profile).with_compute_speedup(args.compute_speedup)
     specs = _strategy_specs(args)
     workers = _worker_counts(args.workers)
-    choices = [parse_choice(spec, max(workers)) for spec in specs]
     latency, queue = parse_latency(args.latency), parse_latency(args.queue, "--queue")
-    intra = parse_bandwidth(args.intra_bandwidth) if args.intra_bandwidth else None
+    intra = (
+        parse_bandwidth(args.intra_bandwidth, "--intra-bandwidth") if args.intra_bandwidth else None
+    )
     networks = {}
     for text in (part.strip() for part in args.bandwidth.split(",") if part.strip()):
-        rate = parse_bandwidth(text)
-        network = Network(bandwidth=rate, latency=latency, intra_bandwidth=intra, queue_s=queue)
+        network = Network(
+            bandwidth=parse_bandwidth(text), latency=latency, intra_bandwidth=intra, queue_s=queue
+        )
         networks[text] = calibrate(network, args.calibrate) if args.calibrate else network
     if not networks:
         raise UserError("--bandwidth lists no rate; e.g. --bandwidth 1gbit,10gbit")
-    first = next(iter(networks.values()))
     shared = getattr(args, "shared_cores", None)
-    check_shared_cores(shared, "shared cores")
+    check_shared_cores(shared, "--shared-cores")
+    return _PredictOptions(
+        specs=specs,
+        choices=[parse_choice(spec, max(workers)) for spec in specs],
+        workers=workers,
+        latency_s=latency,
+        queue_s=queue,
+        networks=networks,
+        shared_cores=shared,
+        compute_speedup=check_compute_speedup(args.compute_speedup, "--compute-speedup"),
+    )
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """``gradsync predict``: simulate the strategies on the clusters asked for, into a results
+    folder claimed (``--overwrite``) once every option has been checked."""
+    if args.validate:
+        return _validate(args)
+    if args.experiment:
+        return _run_experiment(args)
+    from gradsync.predict.profile import Profile
+    from gradsync.rundir import claim_run_dir
+
+    if not args.profile:
+        raise UserError("predict needs --profile PROFILE.json (or --validate FILE.toml)")
+    profile = Profile.load(args.profile)
+    options = _predict_options(args)
+    out = Path(args.out or f"runs/predict-{time.strftime('%Y%m%d-%H%M%S')}")
+    claim_run_dir(out, overwrite=args.overwrite)
+    _predict_into(out, profile, options, args)
+    return EXIT_OK
+
+
+def _predict_into(
+    out: Path, measured: Profile, options: _PredictOptions, args: argparse.Namespace
+) -> None:
+    """Simulate ``options`` from the profile ``measured``; print and write to ``out``."""
+    from gradsync.predict.network import Cluster
+    from gradsync.predict.report import HEADERS, recommendation_lines, table_rows, write_outputs
+    from gradsync.predict.sweep import predict_grid, recommend
+    from gradsync.tables import print_table
+
+    profile = measured.with_compute_speedup(options.compute_speedup)
+    networks, workers, shared = options.networks, options.workers, options.shared_cores
     if shared and not any(n.cpu_s_per_byte or n.cpu_s_per_message for n in networks.values()):
         print(
             "note: --shared-cores charges only the servers' work here: communication's CPU "
@@ -322,13 +451,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
         )
     _note_batchnorm_mismatch(profile, args.batchnorm)
     base = Cluster(
-        workers=1, network=first, ranks_per_host=args.ranks_per_host, shared_cores=shared
+        workers=1,
+        network=next(iter(networks.values())),
+        ranks_per_host=args.ranks_per_host,
+        shared_cores=shared,
     )
     started = time.perf_counter()
     refused: list[str] = []
     points = predict_grid(
         profile,
-        choices,
+        options.choices,
         workers=workers,
         networks=networks,
         base=base,
@@ -339,7 +471,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UserError(f"no configuration can be modelled: {refused[0]}")
     recommendations = []
     if args.recommend:
-        names = [choice.name for choice in choices]
+        names = [choice.name for choice in options.choices]
         for label, network in networks.items():
             cluster = Cluster(
                 workers=max(workers),
@@ -351,17 +483,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 recommend(profile, names, cluster, label, batchnorm=args.batchnorm)
             )
     elapsed = time.perf_counter() - started
-    out = Path(args.out or f"runs/predict-{time.strftime('%Y%m%d-%H%M%S')}")
     settings = {
-        "strategies": specs,
+        "strategies": options.specs,
         "workers": workers,
         "bandwidths": list(networks),
-        "latency_s": latency,
-        "queue_s": queue,
+        "latency_s": options.latency_s,
+        "queue_s": options.queue_s,
         "ranks_per_host": args.ranks_per_host,
         "shared_cores": shared,
         "calibrate": args.calibrate,
-        "compute_speedup": args.compute_speedup,
+        "compute_speedup": options.compute_speedup,
         "batchnorm": args.batchnorm,
         "refused": refused,
         "predict_seconds": elapsed,
@@ -382,14 +513,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
     for line in recommendation_lines(recommendations):
         print(f"recommended: {line}")
     print(f"{len(points)} predictions in {elapsed:.2f} s; results in {out}")
-    return EXIT_OK
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from gradsync.predict.validate import load_plan, run_validation
+    """``predict --validate FILE.toml``: measure and predict the plan's cells into ``out``."""
+    from gradsync.predict.validate import claim_validation_dir, load_plan, run_validation
 
     plan = load_plan(args.validate)
     out = Path(args.out or f"results/{plan.name}")
+    claim_validation_dir(out, overwrite=args.overwrite)
     load = os.getloadavg()
     print(f"{plan.name}: load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; results in {out}")
     summary = run_validation(plan, out)

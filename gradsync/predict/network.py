@@ -34,18 +34,24 @@ from gradsync.errors import UserError
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
-def parse_bandwidth(text: str) -> float:
-    """A link rate in tc notation (``10gbit``, ``100mbit``) as bytes per second.
+def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
+    """A link rate in tc notation (``10gbit``, ``100mbit``) as bytes per second
+    (``option`` names it in errors).
 
     Example:
         >>> parse_bandwidth("1gbit")
         125000000.0
+        >>> parse_bandwidth("0", "--intra-bandwidth")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --intra-bandwidth '0' is not a rate; write a number and a unit...
     """
     from gradsync.netem import parse_rate
 
-    bits = parse_rate(text)
-    if bits <= 0:
-        raise UserError(f"--bandwidth {text} is zero: a link must move data; e.g. 1gbit")
+    try:
+        bits = parse_rate(text)
+    except UserError as error:  # netem's words name its own flag, --bandwidth
+        raise UserError(str(error).replace("--bandwidth", option, 1)) from None
     return bits / 8
 
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
 import time
+import typing
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,8 +217,7 @@ class Profile:
         Example:
             >>> # gpu_like = cpu_profile.with_compute_speedup(50)
         """
-        if not factor > 0:
-            raise UserError(f"--compute-speedup must be > 0, got {factor}")
+        factor = check_compute_speedup(factor, "--compute-speedup")
         return dataclasses.replace(
             self,
             forward_s=self.forward_s / factor,
@@ -301,22 +302,22 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "profile") -> Profile:
-        """Parse a profile; a malformed one is a UserError naming ``source``."""
+        """Parse a profile; a malformed one is a UserError naming ``source``, the field and
+        how to take the profile again (see :func:`check_profile_fields`)."""
         try:
             raw = json.loads(text)
-            if raw.pop("format", None) != FORMAT:
-                raise ValueError(f"not a {FORMAT} file")
-            raw["layers"] = tuple(LayerProfile(**layer) for layer in raw["layers"])
-            raw["variables"] = tuple(VariableProfile(**v) for v in raw["variables"])
-            profile = cls(**raw)
-        except (ValueError, TypeError, KeyError) as error:
-            raise UserError(
-                f"{source} is not a gradsync profile ({error}); write one with "
-                "`gradsync profile --model M --out PROFILE.json`"
-            ) from None
-        if not profile.variables:
-            raise UserError(f"{source} has no trainable variables to communicate")
-        return profile
+        except ValueError as error:
+            raise UserError(f"{source} is not a gradsync profile ({error}); {_RETAKE}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise UserError(f"{source} is not a gradsync profile (not a {FORMAT} file); {_RETAKE}")
+        check_profile_fields(raw, source)
+        fields = {key: value for key, value in raw.items() if key != "format"}
+        try:
+            fields["layers"] = tuple(LayerProfile(**layer) for layer in raw["layers"])
+            fields["variables"] = tuple(VariableProfile(**v) for v in raw["variables"])
+            return cls(**fields)
+        except TypeError as error:  # a missing or unknown field
+            raise UserError(f"{source} is not a gradsync profile ({error}); {_RETAKE}") from None
 
     def save(self, path: Path) -> None:
         from gradsync.files import atomic_write_text
@@ -326,14 +327,119 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        """Read ``path``; a missing or malformed file is a UserError (exit 2)."""
+        """Read ``path``; a missing, unreadable or malformed file is a UserError (exit 2)."""
         path = Path(path)
+        if path.is_dir():
+            raise UserError(f"--profile {path} is a folder; name the profile file in it")
         if not path.is_file():
-            raise UserError(
-                f"--profile {path} does not exist; write it with "
-                "`gradsync profile --model M --out PROFILE.json`"
-            )
-        return cls.from_json(path.read_text(), source=str(path))
+            raise UserError(f"--profile {path} does not exist; {_RETAKE}")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UserError(f"{path} is not a gradsync profile ({error}); {_RETAKE}") from None
+        return cls.from_json(text, source=str(path))
+
+
+_RETAKE = "take it (again) with `gradsync profile --model M --out PROFILE.json`"
+# Fields a measured profile always has at 1 or more; every other number may be 0.
+_AT_LEAST_ONE = {"batch", "threads", "concurrent", "steps", "element_size"}
+# Times the simulator divides by: a measured step always has some forward and backward.
+_ABOVE_ZERO = {"forward_s", "backward_s"}
+
+
+def check_profile_fields(raw: dict[str, Any], source: str) -> None:
+    """UserError, one line naming ``source`` and the field, unless every field of the
+    profile ``raw`` (as JSON) has the type its dataclass declares, every number is finite
+    and at least 0 (``batch``, ``threads`` ... at least 1, forward and backward above 0),
+    and it has the layers and variables the simulator replays (each variable in a layer).
+
+    Example:
+        >>> check_profile_fields({"batch": 0}, "p.json")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: p.json: batch = 0 is not a whole number ≥ 1; take it (again) ...
+    """
+    _check_fields(raw, Profile, source, prefix="")
+    for key in ("layers", "variables"):
+        if not isinstance(raw.get(key), list) or not raw[key]:
+            _refuse(source, key, raw.get(key), "a non-empty list")
+    for key, kind in (("layers", LayerProfile), ("variables", VariableProfile)):
+        for index, entry in enumerate(raw[key]):
+            if not isinstance(entry, dict):
+                _refuse(source, f"{key}[{index}]", entry, "an object")
+            _check_fields(entry, kind, source, prefix=f"{key}[{index}].")
+    layers = len(raw["layers"])
+    for index, variable in enumerate(raw["variables"]):
+        if variable.get("layer", 0) >= layers:
+            where = f"the index of one of its {layers} layers (0 to {layers - 1})"
+            _refuse(source, f"variables[{index}].layer", variable["layer"], where)
+        if variable.get("sparse") and not variable.get("num_rows"):
+            _refuse(source, f"variables[{index}].num_rows", 0, "≥ 1 for a sparse variable")
+
+
+def _check_fields(raw: dict[str, Any], kind: type, source: str, *, prefix: str) -> None:
+    """Each field of ``kind`` present in ``raw`` has its declared type (and range)."""
+    hints = typing.get_type_hints(kind)
+    for name, value in raw.items():
+        hint = hints.get(name)
+        if hint is None or name in ("layers", "variables"):
+            continue  # an unknown field is refused when the dataclass is built
+        expected = _type_problem(name, value, hint)
+        if expected:
+            _refuse(source, prefix + name, value, expected)
+
+
+def _type_problem(name: str, value: Any, hint: Any) -> str | None:
+    """What ``value`` of field ``name`` (declared ``hint``) should be, or None if it is."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is float:
+        least = "above 0" if name in _ABOVE_ZERO else "≥ 0"
+        number = _is_number(value) and math.isfinite(value)
+        fits = number and (value > 0 if name in _ABOVE_ZERO else value >= 0)
+        return None if fits else f"a finite number {least}"
+    if hint is int:
+        least = 1 if name in _AT_LEAST_ONE else 0
+        fits = isinstance(value, int) and not isinstance(value, bool) and value >= least
+        return None if fits else f"a whole number ≥ {least}"
+    if hint in (str, bool):
+        return None if isinstance(value, hint) else f"a {hint.__name__}"
+    if origin is tuple:  # tuple[int, ...] / tuple[float, ...], stored as a JSON list
+        fits = isinstance(value, list) and not any(_type_problem(name, v, args[0]) for v in value)
+        return None if fits else f"a list of {args[0].__name__} values ≥ 0"
+    if origin is dict:
+        fits = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+        return None if fits else "an object of strings"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _refuse(source: str, field_name: str, value: Any, expected: str) -> typing.NoReturn:
+    raise UserError(
+        f"{source}: {field_name} = {json.dumps(value)[:40]} is not {expected}; {_RETAKE}"
+    )
+
+
+def check_compute_speedup(value: Any, where: str) -> float:
+    """``value`` as a speed-up factor: a finite number above 0, else a one-line UserError
+    naming ``where`` (the flag, or the file and key).
+
+    Example:
+        >>> check_compute_speedup(100, "--compute-speedup")
+        100.0
+        >>> check_compute_speedup(float("inf"), "--compute-speedup")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --compute-speedup must be a finite number above 0 ...
+    """
+    if not (_is_number(value) and math.isfinite(value) and value > 0):
+        raise UserError(
+            f"{where} must be a finite number above 0 (how many times faster the workers "
+            f"compute), got {value!r}; e.g. 100"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from gradsync.files import atomic_write_text
 from gradsync.predict.profile import Profile
 from gradsync.predict.simulate import StepPrediction
 from gradsync.predict.sweep import GridPoint, Recommendation, single_step_s
+from gradsync.timeline_summary import PREDICTED
 
 HEADERS = ["strategy", "workers", "bandwidth", "step (ms)", "samples/s", "efficiency", "exposed"]
 
@@ -117,7 +118,7 @@ def write_trace(path: Path, predictions: Sequence[StepPrediction], where: str) -
                 "name": "process_name",
                 "ph": "M",
                 "pid": pid,
-                "args": {"name": f"predicted {prediction.choice.label()} ({where})"},
+                "args": {"name": f"{PREDICTED}{prediction.choice.label()} ({where})"},
             }
         )
         tracks: dict[str, int] = {}

@@ -47,7 +47,6 @@ import json
 import os
 import statistics
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +68,7 @@ from gradsync.predict.network import (
 from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
 from gradsync.predict.simulate import StrategyChoice, predict_step
 from gradsync.predict.sweep import parse_choice, recommend
+from gradsync.predict.toml_keys import TomlKeys, read_toml
 
 KEYS = {
     "name",
@@ -142,51 +142,27 @@ class ValidationPlan:
         return model.bandwidths if model.bandwidths is not None else self.bandwidths
 
 
-def read_toml(path: Path, flag: str, keys: set[str], *, example: str) -> dict[str, Any]:
-    """The TOML file behind ``flag``, with only ``keys``; any problem is a UserError."""
-    if not path.is_file():
-        raise UserError(f"{flag} {path} does not exist; pass a TOML file such as {example}")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise UserError(f"{path} is not valid TOML: {error}") from None
-    if unknown := sorted(set(raw) - keys):
-        raise UserError(f"{path}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(keys))}")
-    return raw
-
-
 def load_plan(path: str | Path) -> ValidationPlan:
-    """Read a validation grid; every problem is a one-line UserError."""
+    """Read a validation grid; every problem is a one-line UserError naming the key."""
     path = Path(path)
-    raw = read_toml(path, "--validate", KEYS, example="experiments/predict-validation.toml")
-    for entry in raw.get("model", []):
-        if unknown := sorted(set(entry) - MODEL_KEYS):
-            raise UserError(
-                f"{path}: unknown key '{unknown[0]}' in [[model]]; allowed: "
-                f"{', '.join(sorted(MODEL_KEYS))}"
-            )
-    try:
-        models = tuple(
-            ModelEntry(
-                name=m["name"],
-                preset=m.get("preset", "default"),
-                options={k: str(v) for k, v in m.get("options", {}).items()},
-                bandwidths=tuple(m["bandwidths"]) if "bandwidths" in m else None,
-            )
-            for m in raw.get("model", [])
-        )
-        plan = ValidationPlan(
-            name=str(raw.get("name", path.stem)),
-            models=models,
-            strategies=tuple(raw["strategies"]),
-            bandwidths=tuple(raw["bandwidths"]),
-            **{k: raw[k] for k in KEYS - {"name", "model", "strategies", "bandwidths"} if k in raw},
-        )
-    except (KeyError, TypeError) as error:
-        raise UserError(f"{path}: missing or malformed key {error}") from None
+    keys = TomlKeys(
+        read_toml(path, "--validate", KEYS, example="experiments/predict-validation.toml"), path
+    )
+    plan = ValidationPlan(
+        name=keys.text("name", path.stem, example='"my-validation"'),
+        models=tuple(
+            _model_entry(model)
+            for model in keys.tables("model", example='[[model]] with name = "transformer"')
+        ),
+        strategies=keys.texts("strategies", example='["ddp", "allreduce"]'),
+        bandwidths=keys.texts("bandwidths", example='["1gbit", "100mbit"]'),
+        recommend=keys.flag("recommend", False),
+        calibrate=keys.raw.get("calibrate", False),  # checked below: a flag or a path
+        shared_cores=keys.raw.get("shared_cores"),  # checked below
+        **{key: keys.count(key) for key in COUNTS if key in keys},
+    )
     if not plan.models:
         raise UserError(f'{path}: no [[model]] tables; add one with name = "transformer"')
-    _check_counts(plan, path)
     _check_calibrate(plan.calibrate, path)
     check_shared_cores(plan.shared_cores, f"{path}: shared_cores")
     for spec in plan.strategies:
@@ -195,7 +171,7 @@ def load_plan(path: str | Path) -> ValidationPlan:
         _check_batch(plan, model, path)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
         if bandwidth != UNSHAPED:
-            parse_bandwidth(bandwidth)
+            parse_bandwidth(bandwidth, f"{path}: bandwidth")
         elif plan.calibrate is False:
             raise UserError(
                 f"{path}: bandwidth '{UNSHAPED}' takes its rate from a calibration; "
@@ -207,14 +183,19 @@ def load_plan(path: str | Path) -> ValidationPlan:
 COUNTS = ("workers", "hosts", "steps", "threads", "profile_steps", "global_batch", "repeats")
 
 
-def _check_counts(plan: ValidationPlan, path: Path) -> None:
-    """The plan's counts are whole numbers of at least 1 (``global_batch`` may be absent)."""
-    for key in COUNTS:
-        value = getattr(plan, key)
-        if key == "global_batch" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{path}: {key} = {value!r} is not a whole number of at least 1")
+def _model_entry(keys: TomlKeys) -> ModelEntry:
+    """One ``[[model]]`` table of a plan, its keys typed."""
+    if unknown := sorted(set(keys.raw) - MODEL_KEYS):
+        raise UserError(
+            f"{keys.path}: unknown key '{unknown[0]}' in [[model]]; allowed: "
+            f"{', '.join(sorted(MODEL_KEYS))}"
+        )
+    return ModelEntry(
+        name=keys.text("name", example='"transformer"'),
+        preset=keys.text("preset", "default", example='"tiny"'),
+        options=keys.text_table("options", example='{ vocab = "1000" }', numbers=True),
+        bandwidths=keys.texts("bandwidths", None, example='["1gbit"]'),
+    )
 
 
 def _check_batch(plan: ValidationPlan, model: ModelEntry, path: Path) -> None:
@@ -265,6 +246,27 @@ def _check_calibrate(value: object, path: Path) -> None:
         )
 
 
+CELLS_LOG = "cells.jsonl"  # one line per measured run: what a rerun goes on from
+
+
+def claim_validation_dir(out: Path, *, overwrite: bool) -> None:
+    """Make ``out`` a validation's results folder before anything runs: one holding an
+    earlier validation's :data:`CELLS_LOG` goes on from it (unless ``overwrite``, which
+    starts afresh); any other folder with files in it is refused (see
+    :func:`gradsync.rundir.claim_run_dir`).
+
+    Example:
+        >>> # claim_validation_dir(Path("results/predict-validation"), overwrite=False)
+    """
+    from gradsync.rundir import check_writable, claim_run_dir
+
+    if (out / CELLS_LOG).is_file() and not overwrite:
+        check_writable(out)
+        print(f"{out} holds an earlier validation: its measured cells are kept, not rerun")
+        return
+    claim_run_dir(out, overwrite=overwrite)
+
+
 def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     """Measure and predict every cell (resuming from ``out/cells.jsonl``); summarize.
 
@@ -278,7 +280,7 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
     simulator.
     """
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "cells.jsonl"
+    log = out / CELLS_LOG
     done = {_run_key(c): c for c in _read_cells(log)}
     rounds = range(plan.repeats)
     for model in plan.models:
