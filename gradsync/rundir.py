@@ -60,7 +60,7 @@ def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
                 f"{', …' if len(found) > 3 else ''}); pass --overwrite to replace it, "
                 f"or pick another {flag}"
             )
-        if not any(name in RUN_MARKERS for name in found):
+        if not _holds_gradsync_output(path, found):
             raise UserError(
                 f"--overwrite refuses to clear {path}: it holds files but no gradsync run "
                 f"({', '.join(found[:3])}); pick another {flag}"
@@ -97,6 +97,15 @@ def claim_output_file(path: Path, *, overwrite: bool, flag: str = "--out") -> No
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         raise UserError(f"{flag} {path}: a folder on its path is a file; pick another {flag}")
     check_writable(path.parent, flag=flag)
+
+
+def _holds_gradsync_output(path: Path, names: list[str]) -> bool:
+    """Whether a folder holding ``names`` is gradsync's output: a run's files at its top, or
+    a ``predict --experiment`` folder of before session 22 (a ``predictions.json`` in each
+    model's subfolder, no record at the top)."""
+    if any(name in RUN_MARKERS for name in names):
+        return True
+    return any((path / name / "predictions.json").is_file() for name in names)
 
 
 def _other_node(name: str) -> bool:

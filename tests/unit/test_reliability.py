@@ -72,6 +72,13 @@ def test_overwrite_never_clears_a_folder_that_is_not_a_run(tmp_path: Path) -> No
     assert (tmp_path / "thesis.tex").exists()
 
 
+def test_overwrite_clears_an_older_predict_experiment_folder(tmp_path: Path) -> None:
+    (tmp_path / "vgg16").mkdir()
+    (tmp_path / "vgg16" / "predictions.json").write_text("{}")
+    claim_run_dir(tmp_path, overwrite=True)
+    assert not any(tmp_path.iterdir())
+
+
 def test_out_that_is_a_file_or_unwritable_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
