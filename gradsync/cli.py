@@ -144,6 +144,9 @@ def _add_model_options(
     _add_reliability_options(parser)
 
 
+REPLACE_RESULTS = "replace the results in --out (of another experiment, or a sweep done)"
+
+
 def _add_overwrite(parser: argparse.ArgumentParser, help: str) -> None:
     """``--overwrite`` of a command that writes a results folder (default: refuse a used one)."""
     parser.add_argument("--overwrite", action="store_true", help=help)
@@ -280,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write each cell's Chrome trace (cells/<id>/trace.json)",
     )
-    _add_overwrite(bench, "replace the results in --out (of another experiment, or a sweep done)")
+    _add_overwrite(bench, REPLACE_RESULTS)
     bench.add_argument(
         "--launcher",
         choices=["local", "srun"],

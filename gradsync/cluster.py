@@ -155,7 +155,8 @@ def sbatch_script(
 
 def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
     """The ``gradsync sbatch`` subcommand's options."""
-    from gradsync.cli import _positive_int  # the CLI's own check, one line on bad input
+    # The CLI's own flags and checks: one line on bad input, the same help as bench's.
+    from gradsync.cli import REPLACE_RESULTS, _add_overwrite, _positive_int
 
     sbatch = commands.add_parser(
         "sbatch",
@@ -185,11 +186,7 @@ def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
         "--print-sbatch", action="store_true", help="print the script instead of writing it"
     )
     sbatch.add_argument("--submit", action="store_true", help="also submit it with sbatch")
-    sbatch.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the results in --out (of another experiment, or a sweep done)",
-    )
+    _add_overwrite(sbatch, REPLACE_RESULTS)
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
@@ -218,7 +215,6 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         return 0
     # The folder the job's sweep will fill: new, or this experiment's own (it resumes there).
     claim_results_dir(results, experiment, overwrite=args.overwrite)
-    shutil.copyfile(experiment.path, results / "experiment.toml")
     path = results / SCRIPT_NAME
     atomic_write_text(path, script)
     print(

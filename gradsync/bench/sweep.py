@@ -208,7 +208,6 @@ def run_sweep(
         validate(config)  # a bad matrix fails before the first job, not halfway
     check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
     claim_results_dir(out, experiment, overwrite=overwrite)
-    shutil.copyfile(experiment.path, out / "experiment.toml")
     todo, done = _cells_to_run(cells, configs, out)
     if done or len(todo) < len(cells):
         print(f"resuming {out}: {done} cell(s) already done, {len(todo)} to run")
@@ -233,7 +232,7 @@ def claim_results_dir(out: Path, experiment: Experiment, *, overwrite: bool) -> 
     """``out`` for ``experiment``'s results: new, or empty, or holding this experiment's
     results (a sweep goes on where it stopped; cells whose settings changed run again).
     Another experiment's results, or any other files, are refused in one line unless
-    ``overwrite``.
+    ``overwrite``. The experiment file is copied in, which marks the folder as its own.
 
     Example:
         >>> # claim_results_dir(Path("results/scaling"), load_experiment(path), overwrite=False)
@@ -247,6 +246,7 @@ def claim_results_dir(out: Path, experiment: Experiment, *, overwrite: bool) -> 
             f"--out {out} holds the results of another experiment than {experiment.name!r}; "
             "pass --overwrite to replace them, or pick another --out"
         )
+    shutil.copyfile(experiment.path, out / "experiment.toml")
 
 
 def _holds_results_of(out: Path, experiment: Experiment) -> bool:
