@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from gradsync.errors import UserError
@@ -71,6 +72,53 @@ def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
             elif not _other_node(item.name):
                 item.unlink()
     check_writable(path, flag=flag)
+
+
+def claim_resumable_dir(
+    out: Path,
+    definition: Path,
+    *,
+    kept_as: str,
+    holds_same: Callable[[Path], bool],
+    other: str,
+    overwrite: bool,
+) -> bool:
+    """``out`` for a run that goes on where it stopped; returns whether it goes on.
+
+    A run is defined by a file (an experiment, a validation plan), kept in its folder as
+    ``kept_as``. A folder without that copy is claimed as :func:`claim_run_dir` claims one:
+    new, empty, or cleared with ``overwrite``. A folder with it goes on when
+    ``holds_same(out)`` says its outputs are this run's, and is otherwise refused in one line
+    (``other`` says what it holds) unless ``overwrite``. The definition is then copied in,
+    which marks the folder as this run's.
+
+    Example:
+        >>> import tempfile
+        >>> out, plan = Path(tempfile.mkdtemp()) / "v", Path(tempfile.mkdtemp()) / "plan.toml"
+        >>> _ = plan.write_text("steps = 5")
+        >>> same = lambda folder: (folder / "plan.toml").read_text() == plan.read_text()
+        >>> claim = lambda: claim_resumable_dir(out, plan, kept_as="plan.toml",
+        ...     holds_same=same, other="another plan's cells", overwrite=False)
+        >>> claim(), claim()
+        (False, True)
+        >>> _ = plan.write_text("steps = 6"); claim()
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --out ... holds another plan's cells; pass --overwrite ...
+    """
+    resumes = (out / kept_as).is_file() and not overwrite
+    if not resumes:
+        claim_run_dir(out, overwrite=overwrite)
+    elif holds_same(out):
+        check_writable(out)
+    else:
+        raise UserError(
+            f"--out {out} holds {other}; pass --overwrite to replace it, or pick another --out"
+        )
+    kept = out / kept_as
+    if not (kept.exists() and kept.samefile(definition)):  # run from the folder's own copy
+        shutil.copyfile(definition, kept)
+    return resumes
 
 
 def claim_output_file(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
@@ -135,4 +183,10 @@ def check_writable(path: Path, *, flag: str = "--out") -> None:
         ) from None
 
 
-__all__ = ["RUN_MARKERS", "check_writable", "claim_output_file", "claim_run_dir"]
+__all__ = [
+    "RUN_MARKERS",
+    "check_writable",
+    "claim_output_file",
+    "claim_resumable_dir",
+    "claim_run_dir",
+]

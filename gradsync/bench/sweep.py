@@ -40,7 +40,7 @@ from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
-from gradsync.rundir import check_writable, claim_run_dir
+from gradsync.rundir import claim_resumable_dir
 
 RESULTS_FILE = "results.jsonl"
 CELLS_DIR = "cells"
@@ -237,16 +237,14 @@ def claim_results_dir(out: Path, experiment: Experiment, *, overwrite: bool) -> 
     Example:
         >>> # claim_results_dir(Path("results/scaling"), load_experiment(path), overwrite=False)
     """
-    if overwrite or not (out / "experiment.toml").is_file():
-        claim_run_dir(out, overwrite=overwrite)
-    elif _holds_results_of(out, experiment):
-        check_writable(out)
-    else:
-        raise UserError(
-            f"--out {out} holds the results of another experiment than {experiment.name!r}; "
-            "pass --overwrite to replace them, or pick another --out"
-        )
-    shutil.copyfile(experiment.path, out / "experiment.toml")
+    claim_resumable_dir(
+        out,
+        Path(experiment.path),
+        kept_as="experiment.toml",
+        holds_same=lambda folder: _holds_results_of(folder, experiment),
+        other=f"the results of another experiment than {experiment.name!r}",
+        overwrite=overwrite,
+    )
 
 
 def _holds_results_of(out: Path, experiment: Experiment) -> bool:

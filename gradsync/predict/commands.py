@@ -521,7 +521,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.validate)
     out = Path(args.out or f"results/{plan.name}")
-    claim_validation_dir(out, overwrite=args.overwrite)
+    claim_validation_dir(out, Path(args.validate), overwrite=args.overwrite)
     load = os.getloadavg()
     print(f"{plan.name}: load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; results in {out}")
     summary = run_validation(plan, out)

@@ -247,24 +247,37 @@ def _check_calibrate(value: object, path: Path) -> None:
 
 
 CELLS_LOG = "cells.jsonl"  # one line per measured run: what a rerun goes on from
+PLAN_COPY = "plan.toml"  # the plan's file, copied in: a rerun goes on only with the same
 
 
-def claim_validation_dir(out: Path, *, overwrite: bool) -> None:
-    """Make ``out`` a validation's results folder before anything runs: one holding an
-    earlier validation's :data:`CELLS_LOG` goes on from it (unless ``overwrite``, which
-    starts afresh); any other folder with files in it is refused (see
-    :func:`gradsync.rundir.claim_run_dir`).
+def claim_validation_dir(out: Path, plan_file: Path, *, overwrite: bool) -> None:
+    """Make ``out`` a validation's results folder before anything runs: new or empty, or
+    holding an earlier run of the same plan (:data:`PLAN_COPY` the same file), whose
+    measured cells are kept, not rerun. Another plan's cells are refused unless
+    ``overwrite``, which starts afresh, and so is any other folder with files in it (see
+    :func:`gradsync.rundir.claim_resumable_dir`). The plan file is copied in.
 
     Example:
-        >>> # claim_validation_dir(Path("results/predict-validation"), overwrite=False)
+        >>> # claim_validation_dir(Path("results/v"), Path("experiments/v.toml"), overwrite=False)
     """
-    from gradsync.rundir import check_writable, claim_run_dir
+    from gradsync.rundir import claim_resumable_dir
 
-    if (out / CELLS_LOG).is_file() and not overwrite:
-        check_writable(out)
-        print(f"{out} holds an earlier validation: its measured cells are kept, not rerun")
-        return
-    claim_run_dir(out, overwrite=overwrite)
+    if (out / CELLS_LOG).is_file() and not (out / PLAN_COPY).is_file() and not overwrite:
+        raise UserError(
+            f"--out {out} holds a validation that does not record its plan (written before "
+            f"gradsync kept it there); copy its plan file to {out / PLAN_COPY} to go on with "
+            "it, or pass --overwrite to start afresh"
+        )
+    plan_bytes = plan_file.read_bytes()
+    if claim_resumable_dir(
+        out,
+        plan_file,
+        kept_as=PLAN_COPY,
+        holds_same=lambda folder: (folder / PLAN_COPY).read_bytes() == plan_bytes,
+        other=f"the cells of another validation plan than {plan_file}",
+        overwrite=overwrite,
+    ):
+        print(f"{out} holds an earlier run of this plan: its measured cells are kept, not rerun")
 
 
 def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:

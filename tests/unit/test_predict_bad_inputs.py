@@ -271,12 +271,34 @@ def test_a_validation_refuses_a_foreign_folder_and_resumes_its_own(
     refused(["predict", "--validate", str(plan), "--out", str(train_run)], capsys, "holds a run")
     assert [p.name for p in train_run.iterdir()] == ["config.json"]
     earlier = tmp_path / "validation"
-    earlier.mkdir()
+    claim_validation_dir(earlier, plan, overwrite=False)  # a new folder: the plan is copied in
+    assert (earlier / "plan.toml").read_bytes() == plan.read_bytes()
     (earlier / "cells.jsonl").write_text('{"id": "a"}\n')
-    claim_validation_dir(earlier, overwrite=False)  # goes on from the cells measured
+    claim_validation_dir(earlier, plan, overwrite=False)  # the same plan goes on
     assert (earlier / "cells.jsonl").read_text() == '{"id": "a"}\n'
-    claim_validation_dir(earlier, overwrite=True)  # starts afresh
-    assert list(earlier.iterdir()) == []
+    claim_validation_dir(earlier, earlier / "plan.toml", overwrite=False)  # from its own copy
+    claim_validation_dir(earlier, plan, overwrite=True)  # starts afresh
+    assert [p.name for p in earlier.iterdir()] == ["plan.toml"]
+
+
+def test_a_validation_refuses_another_plans_cells_and_an_unrecorded_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Cells measured under another plan (other steps, hosts, models) would mix into this
+    plan's summary: refused in one line, nothing touched."""
+    first, second = tmp_path / "first.toml", tmp_path / "second.toml"
+    first.write_text('strategies = ["ddp"]\nbandwidths = ["1gbit"]\n[[model]]\nname = "vgg16"\n')
+    second.write_text(first.read_text().replace("1gbit", "100mbit"))
+    out = tmp_path / "v"
+    out.mkdir()
+    (out / "cells.jsonl").write_text('{"id": "a"}\n')
+    args = ["predict", "--validate", str(second), "--out", str(out)]
+    refused(args, capsys, "does not record its plan")  # written before plans were kept
+    (out / "plan.toml").write_bytes(first.read_bytes())
+    refused(args, capsys, "holds the cells of another validation plan")
+    assert sorted(p.name for p in out.iterdir()) == ["cells.jsonl", "plan.toml"]
+    assert (out / "plan.toml").read_bytes() == first.read_bytes()
+    assert (out / "cells.jsonl").read_text() == '{"id": "a"}\n'
 
 
 # -- 8. timeline summarize -----------------------------------------------------------------
