@@ -316,6 +316,11 @@ def _missing_profiles(profiles: dict[str, str], preset: str, path: Path) -> dict
             )
         if Path(profile).is_file():
             Profile.load(profile)
+        elif Path(profile).exists():  # refused before out is claimed: nothing left behind
+            raise UserError(
+                f"{path}: profiles.{model} = {profile!r} is a folder, not a profile file; "
+                f'name a file, e.g. {model} = "profiles/{model}.json"'
+            )
         else:
             check_model(model, preset)
             missing[model] = Path(profile)

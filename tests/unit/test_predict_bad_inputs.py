@@ -219,6 +219,8 @@ def test_an_experiment_profile_path_must_be_writable_as_a_file(
     profile = tmp_path if where == "folder" else tmp_path / "a-file" / "p.json"
     path = experiment_file(tmp_path, profile, f'profiles = {{ mnist-cnn = "{profile}" }}')
     refused(["predict", "--experiment", str(path)], capsys, "profiles.mnist-cnn")
+    if where == "folder":  # refused before its out was claimed: no empty folder left
+        assert not (tmp_path / "exp").exists()
 
 
 def test_an_experiment_claims_its_out_once(
