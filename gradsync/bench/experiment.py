@@ -20,9 +20,9 @@ lists them): ``[options.STRATEGY]`` fixes them, ``[sweep.STRATEGY]`` lists value
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from gradsync.errors import UserError
 from gradsync.models import check_model
 from gradsync.options import field_names, options_from_mapping
 from gradsync.strategies import STRATEGIES, options_class
+from gradsync.toml_keys import TomlKeys, read_toml
 
 # Bounds (issue 12): a typo such as repeats = 1000000000 is refused before any allocation.
 MAX_REPEATS = 1_000
@@ -41,6 +42,20 @@ MAX_CELLS = 10_000
 RENAMED = {"warmup_steps": "measure_warmup"}
 # Settings bench holds equal in every cell (see gradsync.bench.equal): not keys of a file.
 FIXED = {"deterministic": "dropout", "dropout": "dropout", "batchnorm": "BatchNorm mode"}
+EXAMPLE = "experiments/horovod-synthetic.toml"
+# The keys that hold lists, with an example of each (strings or whole numbers ≥ 1).
+LIST_KEYS: dict[str, list[Any]] = {
+    "models": ["transformer"],
+    "strategies": ["ddp", "allreduce"],
+    "lr_scaling": ["none", "linear"],
+    "bandwidths": ["1gbit", "100mbit"],
+    "workers": [1, 2, 4],
+    "servers": [1, 2],
+    "global_batch": [32, 64],
+    "batch_per_worker": [16, 32],
+    "threads": [1, 2],
+    "interop_threads": [1],
+}
 KEYS: dict[str, str] = {
     "name": "experiment name (string)",
     "description": "what the experiment asks (string)",
@@ -259,15 +274,8 @@ class Experiment:
 def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment file; every problem is a one-line UserError."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(
-            f"no experiment file at {path}; pass a TOML file such as "
-            "experiments/horovod-synthetic.toml"
-        )
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise UserError(f"{path} is not valid TOML: {error}") from None
+    # Keys refused below with a message of their own pass read_toml's check of unknown keys.
+    raw = read_toml(path, "bench", set(KEYS), example=EXAMPLE, also={*RENAMED, *FIXED, "model"})
     where = f"experiment {path}"
     for key in raw:
         if key in RENAMED:
@@ -279,57 +287,41 @@ def load_experiment(path: str | Path) -> Experiment:
                 f"single; to measure another {FIXED[key]}, run gradsync train with "
                 "--batchnorm local or without --deterministic for each strategy"
             )
-        if key not in KEYS:
-            raise UserError(f"{where}: unknown key '{key}'; allowed keys: {', '.join(KEYS)}")
+    if "model" in raw:
+        raise UserError(f"{where}: unknown key 'model'; use models = [\"...\"]")
     if "models" not in raw:
         raise UserError(
             f'{where}: names no models; add e.g. models = ["transformer"] '
             "(strategies default to ddp and allreduce)"
         )
-    values: dict[str, Any] = {"name": str(raw.get("name", path.stem)), "path": str(path)}
-    if "model" in raw:
-        raise UserError(f"{where}: unknown key 'model'; use models = [\"...\"]")
-    for key in ("models", "strategies", "lr_scaling"):
-        if key in raw:
-            values[key] = _strings(raw[key], key, where)
-    for key in (
-        "workers",
-        "servers",
-        "global_batch",
-        "batch_per_worker",
-        "threads",
-        "interop_threads",
-    ):
-        if key in raw:
-            values[key] = _positive_ints(raw[key], key, where)
-    if "bandwidths" in raw:
-        values["bandwidths"] = _strings(raw["bandwidths"], "bandwidths", where)
-    for key in ("steps", "repeats", "hosts"):
-        if key in raw:
-            values[key] = _positive_ints([raw[key]], key, where)[0]
-    for key in ("measure_warmup", "lr_warmup_steps", "seed"):
-        if key in raw:
-            if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 0:
-                raise UserError(f"{where}: {key} must be a non-negative integer, got {raw[key]!r}")
-            values[key] = raw[key]
     if "data" in raw and not isinstance(raw["data"], str):
         raise UserError(
             f"{where}: data must be one path (a string), got {raw['data']!r}: every cell "
             "trains on the same data so their throughputs compare; run one experiment per "
             "data set"
         )
+    keys = TomlKeys(raw, path)
+    values: dict[str, Any] = {"name": keys.text("name", path.stem), "path": str(path)}
+    for key, example in LIST_KEYS.items():
+        if key not in keys:
+            continue
+        if isinstance(example[0], str):
+            values[key] = list(keys.texts(key, example=json.dumps(example), empty=False))
+        else:
+            values[key] = list(keys.counts(key, example=json.dumps(example)))
+    for key in ("steps", "repeats", "hosts"):
+        if key in keys:
+            values[key] = keys.count(key)
+    for key in ("measure_warmup", "lr_warmup_steps", "seed"):
+        if key in keys:
+            values[key] = keys.whole(key)
     for key in ("description", "preset", "data", "optimizer"):
-        if key in raw:
-            values[key] = str(raw[key])
-    if "lr" in raw:
-        lr = raw["lr"]
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < math.inf:
-            raise UserError(f"{where}: lr must be a finite number > 0, got {lr!r}")
-        values["lr"] = float(lr)
-    if "verify" in raw:
-        if not isinstance(raw["verify"], bool):
-            raise UserError(f"{where}: verify must be true or false, got {raw['verify']!r}")
-        values["verify"] = raw["verify"]
+        if key in keys:
+            values[key] = keys.text(key)
+    if "lr" in keys:
+        values["lr"] = keys.positive("lr")
+    if "verify" in keys:
+        values["verify"] = keys.flag("verify")
     if "model_options" in raw:
         values["model_options"] = _model_options(raw["model_options"], where)
     if "published_gain" in raw:
@@ -385,23 +377,6 @@ def check_bounds(experiment: Experiment, where: str) -> None:
             f"{where}: the matrix has up to {cells:,} cells (repeats {experiment.repeats} × the "
             f"lists' lengths), more than the limit of {MAX_CELLS:,}; shorten the lists or repeats"
         )
-
-
-def _strings(value: Any, key: str, where: str) -> list[str]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise UserError(f"{where}: {key} must be a non-empty list of strings, got {value!r}")
-    return value
-
-
-def _positive_ints(value: Any, key: str, where: str) -> list[int]:
-    ok = (
-        isinstance(value, list)
-        and value
-        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
-    )
-    if not ok:
-        raise UserError(f"{where}: {key} must be a list of positive integers, got {value!r}")
-    return value
 
 
 def _strategy_options(fixed: Any, sweep: Any, where: str) -> dict[str, dict[str, list[Any]]]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import UserError
-from gradsync.predict.toml_keys import TomlKeys, read_toml
+from gradsync.toml_keys import TomlKeys, read_toml
 
 if TYPE_CHECKING:
     from gradsync.predict.network import Network

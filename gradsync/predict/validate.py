@@ -68,7 +68,7 @@ from gradsync.predict.network import (
 from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
 from gradsync.predict.simulate import StrategyChoice, predict_step
 from gradsync.predict.sweep import parse_choice, recommend
-from gradsync.predict.toml_keys import TomlKeys, read_toml
+from gradsync.toml_keys import TomlKeys, read_toml
 
 KEYS = {
     "name",

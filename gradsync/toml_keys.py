@@ -1,4 +1,4 @@
-"""The TOML files of ``predict --experiment`` and ``predict --validate``, key by key.
+"""TOML files read key by key: `bench` experiments, `predict --experiment` and `--validate`.
 
 :func:`read_toml` reads one; :class:`TomlKeys` hands out its values, each with the one type
 its key takes. A value of another type (``workers = "2"`` where a whole number is meant) is a
@@ -18,8 +18,10 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,16 @@ _REQUIRED: Any = object()  # the default of a key the file must have
 Check = Callable[[Any], bool]
 
 
-def read_toml(path: Path, flag: str, keys: set[str], *, example: str) -> dict[str, Any]:
-    """The TOML file behind ``flag``, with only ``keys``; any problem is a UserError."""
+def read_toml(
+    path: Path,
+    flag: str,
+    keys: AbstractSet[str],
+    *,
+    example: str,
+    also: AbstractSet[str] = frozenset(),
+) -> dict[str, Any]:
+    """The TOML file behind ``flag``, with only ``keys`` (and ``also``, keys the caller
+    refuses with a message of its own); any problem is a UserError."""
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder; pass a TOML file such as {example}")
     if not path.is_file():
@@ -42,7 +52,7 @@ def read_toml(path: Path, flag: str, keys: set[str], *, example: str) -> dict[st
         raise UserError(
             f"{path} is not valid TOML ({error}); pass a file such as {example}"
         ) from None
-    if unknown := sorted(set(raw) - keys):
+    if unknown := sorted(set(raw) - keys - also):
         raise UserError(f"{path}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(keys))}")
     return raw
 
@@ -72,9 +82,32 @@ class TomlKeys:
         """A whole number of at least 1."""
         return self._get(key, default, _is_count, "a whole number of at least 1", f"{key} = 2")
 
-    def texts(self, key: str, default: Any = _REQUIRED, *, example: str) -> tuple[str, ...]:
-        """A list of strings."""
-        value = self._get(key, default, _list_of(str), "a list of strings", f"{key} = {example}")
+    def whole(self, key: str, default: Any = _REQUIRED) -> int:
+        """A whole number of at least 0."""
+        return self._get(key, default, _is_whole, "a whole number of at least 0", f"{key} = 0")
+
+    def positive(self, key: str, default: Any = _REQUIRED, *, example: str = "0.1") -> float:
+        """A finite number above 0, as a float."""
+        fits = _is_positive
+        return float(self._get(key, default, fits, "a finite number above 0", f"{key} = {example}"))
+
+    def texts(
+        self, key: str, default: Any = _REQUIRED, *, example: str, empty: bool = True
+    ) -> tuple[str, ...]:
+        """A list of strings (``empty`` False: at least one)."""
+        expected = "a list of strings" if empty else "a non-empty list of strings"
+        value = self._get(key, default, _list_of(str, empty), expected, f"{key} = {example}")
+        return tuple(value) if isinstance(value, list) else value
+
+    def counts(self, key: str, default: Any = _REQUIRED, *, example: str) -> tuple[int, ...]:
+        """A non-empty list of whole numbers of at least 1."""
+        value = self._get(
+            key,
+            default,
+            _list_of(int, empty=False),
+            "a non-empty list of whole numbers of at least 1",
+            f"{key} = {example}",
+        )
         return tuple(value) if isinstance(value, list) else value
 
     def comma_list(self, key: str, item: type, *, example: str) -> str:
@@ -130,14 +163,26 @@ def _is(kind: type) -> Check:
     return lambda value: isinstance(value, kind)
 
 
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return _is_whole(value) and value >= 1
 
 
-def _list_of(item: type) -> Check:
-    """Whether a value is a list of ``item`` values (a bool is no whole number here)."""
+def _is_positive(value: Any) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and 0 < value < math.inf
+
+
+def _list_of(item: type, empty: bool = True) -> Check:
+    """Whether a value is a list of ``item`` values (a bool is no whole number here), and
+    not empty unless ``empty``."""
     fits = _is_count if item is int else _is(item)
-    return lambda value: isinstance(value, list) and all(fits(v) for v in value)
+    return lambda value: (
+        isinstance(value, list) and (empty or bool(value)) and all(fits(v) for v in value)
+    )
 
 
 __all__ = ["TomlKeys", "read_toml"]
