@@ -520,7 +520,7 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--ops",
         default=",".join(DEFAULT_OPS),
-        help=f"comma-separated subset of {','.join(OPS)} (default: all but exchange)",
+        help=f"comma-separated subset of {','.join(OPS)} (default: all but exchange and wire)",
     )
     bench.add_argument("--min-bytes", default=str(DEFAULT_MIN_BYTES), help="e.g. 4K (default)")
     bench.add_argument("--max-bytes", default=str(DEFAULT_MAX_BYTES), help="e.g. 256M (default)")

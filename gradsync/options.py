@@ -67,10 +67,18 @@ def option(
     choices: tuple[str, ...] | None = None,
     at_least: float | None = None,
     above: float | None = None,
+    none_means: str = "automatic",
 ) -> Any:
-    """A dataclass field of an options class: default, help, flag name and bounds."""
+    """A dataclass field of an options class: default, help, flag name and bounds;
+    ``none_means`` is what ``--help`` shows for a default of None."""
     metadata = dict(
-        help=help, flag=flag, metavar=metavar, choices=choices, at_least=at_least, above=above
+        help=help,
+        flag=flag,
+        metavar=metavar,
+        choices=choices,
+        at_least=at_least,
+        above=above,
+        none_means=none_means,
     )
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -291,7 +299,7 @@ def _option_index(
 def _default_text(item: dataclasses.Field[Any]) -> str:
     default = item.default
     if default is None:
-        return "automatic"
+        return item.metadata.get("none_means", "automatic")
     if isinstance(default, bool):
         return "on" if default else "off"
     if isinstance(default, tuple):

@@ -149,11 +149,19 @@ def claim_output_file(path: Path, *, overwrite: bool, flag: str = "--out") -> No
 
 def _holds_gradsync_output(path: Path, names: list[str]) -> bool:
     """Whether a folder holding ``names`` is gradsync's output: a run's files at its top, or
-    a ``predict --experiment`` folder of before session 22 (a ``predictions.json`` in each
-    model's subfolder, no record at the top)."""
+    runs one level down (a ``demo`` or ``verify`` folder, whose cells are runs of their own,
+    even when it stopped before writing its summary; a ``predict --experiment`` folder of
+    before session 22, with a ``predictions.json`` in each model's subfolder)."""
     if any(name in RUN_MARKERS for name in names):
         return True
-    return any((path / name / "predictions.json").is_file() for name in names)
+    return any(_is_run(path / name) for name in names)
+
+
+def _is_run(folder: Path) -> bool:
+    """A train run (its config and metrics) or a prediction (its predictions)."""
+    if (folder / "predictions.json").is_file():
+        return True
+    return (folder / "config.json").is_file() and (folder / "metrics").is_dir()
 
 
 def _other_node(name: str) -> bool:

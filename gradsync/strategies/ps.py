@@ -73,6 +73,7 @@ class PSOptions(ServerOptions):
         help="asynchronous, but no worker more than K steps ahead of the slowest (SSP)",
         metavar="K",
         at_least=1,
+        none_means="no bound (synchronous unless --async)",
     )
     placement: str = option(
         "greedy", help="greedy (size-balanced) or round-robin", choices=tuple(POLICIES)

@@ -79,6 +79,21 @@ def test_overwrite_clears_an_older_predict_experiment_folder(tmp_path: Path) -> 
     assert not any(tmp_path.iterdir())
 
 
+def test_overwrite_clears_a_demo_folder_whose_cells_are_runs(tmp_path: Path) -> None:
+    """A demo (or a verify stopped before its verdict) holds its cells' runs one level
+    down and its own results.json/.md: gradsync's output, so --overwrite clears it."""
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "results.md").write_text("# demo")
+    (tmp_path / "single-w1" / "metrics").mkdir(parents=True)
+    (tmp_path / "single-w1" / "config.json").write_text("{}")
+    claim_run_dir(tmp_path, overwrite=True)
+    assert not any(tmp_path.iterdir())
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "config.json").write_text("{}")  # a config alone is not a run
+    with pytest.raises(UserError, match="no gradsync run"):
+        claim_run_dir(tmp_path, overwrite=True)
+
+
 def test_out_that_is_a_file_or_unwritable_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
