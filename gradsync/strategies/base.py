@@ -172,7 +172,11 @@ class ServerOptions(StrategyOptions):
     (None: 1), or ``colocate``: every worker also serves one shard, in a thread."""
 
     servers: int | None = option(
-        None, help="dedicated server ranks after the workers", at_least=1, none_means="1"
+        None,
+        help="dedicated server ranks after the workers",
+        metavar="S",
+        at_least=1,
+        none_means="1",
     )
     colocate: bool = option(False, help="every worker also serves a shard (no extra ranks)")
 
