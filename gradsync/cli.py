@@ -433,6 +433,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from gradsync.jobs import inputs_of
     from gradsync.options import given_options
     from gradsync.rundir import claim_run_dir
     from gradsync.strategies import STRATEGIES
@@ -443,7 +444,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("verify"))
     check_cells(config, strategies, args.workers, given, out)
-    claim_run_dir(out, overwrite=args.overwrite)
+    claim_run_dir(out, overwrite=args.overwrite, inputs=inputs_of(config))
     print(deterministic_notice(config))
     outcomes = run_matrix(config, strategies, args.workers, out, given=given)
     report_verify(outcomes, out)
@@ -451,6 +452,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from gradsync.jobs import inputs_of
     from gradsync.options import given_options
     from gradsync.rundir import claim_run_dir
     from gradsync.strategies import STRATEGIES
@@ -460,7 +462,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("demo"))
     check_cells(config, list(STRATEGIES), [args.workers], given, out)
-    claim_run_dir(out, overwrite=args.overwrite)
+    claim_run_dir(out, overwrite=args.overwrite, inputs=inputs_of(config))
     print(deterministic_notice(config))
     outcomes = run_matrix(config, list(STRATEGIES), [args.workers], out, given=given)
     title = (

@@ -10,7 +10,7 @@ from typing import Any
 from gradsync.config import TrainConfig
 from gradsync.devices import rank_device
 from gradsync.devices import resolve as resolve_device
-from gradsync.errors import JobFailed
+from gradsync.errors import JobFailed, UserError
 from gradsync.launch import launch_local
 from gradsync.metrics import load_summary
 from gradsync.models import build_workload, check_model
@@ -37,16 +37,25 @@ def validate(config: TrainConfig, *, one_rank: bool = False) -> None:
         rank_device(config)
     else:
         resolve_device(config)
+    # Built here (milliseconds for the zoo) so that bad data and a batch the workers cannot
+    # share are refused before the run folder is claimed, not by the ranks after launch.
+    workload = build_workload(
+        config.model,
+        preset=config.preset,
+        seed=config.seed,
+        data=config.data,
+        dropout=not config.deterministic,
+        options=config.model_options,
+    )
     if is_user_model(config.model):
-        workload = build_workload(
-            config.model,
-            preset=config.preset,
-            seed=config.seed,
-            data=config.data,
-            dropout=not config.deterministic,
-            options=config.model_options,
-        )
         check_user_step(config.model, workload)
+    if config.global_batch is None and workload.global_batch % config.workers:
+        batch, workers = workload.global_batch, config.workers
+        raise UserError(
+            f"the global batch of {config.model} ({config.preset}), {batch}, does not divide by "
+            f"--workers {workers}; pass --global-batch {workers * max(1, batch // workers)} "
+            f"(a multiple of {workers}) or choose --workers that divides {batch}"
+        )
 
 
 def prepare_out(config: TrainConfig, *, overwrite: bool) -> None:
@@ -64,9 +73,20 @@ def prepare_out(config: TrainConfig, *, overwrite: bool) -> None:
     if config.resume:
         check_resume(config, out)
     elif config.launch.node_rank == 0:
-        claim_run_dir(out, overwrite=overwrite)
+        claim_run_dir(out, overwrite=overwrite, inputs=inputs_of(config))
     else:
         check_writable(out)
+
+
+def inputs_of(config: TrainConfig) -> list[str]:
+    """The files a run reads that could lie in its own folder: a user model's file, data.
+
+    Example:
+        >>> inputs_of(TrainConfig(model="nets/mine.py:build", data="sklearn:digits"))
+        ['nets/mine.py']
+    """
+    location = config.model.rpartition(":")[0] if is_user_model(config.model) else ""
+    return [path for path in (location, config.data) if path and ":" not in path]
 
 
 def claim_timeline(config: TrainConfig, *, overwrite: bool) -> None:
@@ -125,4 +145,4 @@ def _restart_config(config: TrainConfig, failure: JobFailed, attempt: int) -> Tr
     return config.replace(resume=bool(step))
 
 
-__all__ = ["LOG_FILE", "claim_timeline", "prepare_out", "run_job", "validate"]
+__all__ = ["LOG_FILE", "claim_timeline", "inputs_of", "prepare_out", "run_job", "validate"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gradsync.errors import UserError
@@ -32,11 +32,15 @@ RUN_MARKERS = (
 )
 
 
-def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
+def claim_run_dir(
+    path: Path, *, overwrite: bool, flag: str = "--out", inputs: Iterable[str | Path] = ()
+) -> None:
     """Make ``path`` an empty, writable run folder, or raise a one-line UserError.
 
     An existing folder with files in it is refused unless ``overwrite``; then it is cleared,
-    but only if it holds a gradsync output (so ``--overwrite`` cannot empty a home folder).
+    but only if it holds a gradsync output (so ``--overwrite`` cannot empty a home folder),
+    and never while one of the run's ``inputs`` (a model file, data, a profile, the
+    experiment file) lies inside it.
 
     Example:
         >>> import tempfile
@@ -65,6 +69,11 @@ def claim_run_dir(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
             raise UserError(
                 f"--overwrite refuses to clear {path}: it holds files but no gradsync run "
                 f"({', '.join(found[:3])}); pick another {flag}"
+            )
+        if inside := [str(i) for i in inputs if _lies_inside(Path(i), path)]:
+            raise UserError(
+                f"--overwrite refuses to clear {path}: this run reads {inside[0]}, which lies "
+                f"inside it; move that file out first, or pick another {flag}"
             )
         for item in path.iterdir():
             if item.is_dir():
@@ -108,7 +117,7 @@ def claim_resumable_dir(
     """
     resumes = (out / kept_as).is_file() and not overwrite
     if not resumes:
-        claim_run_dir(out, overwrite=overwrite)
+        claim_run_dir(out, overwrite=overwrite, inputs=[definition])
     elif holds_same(out):
         check_writable(out)
     else:
@@ -162,6 +171,13 @@ def _is_run(folder: Path) -> bool:
     if (folder / "predictions.json").is_file():
         return True
     return (folder / "config.json").is_file() and (folder / "metrics").is_dir()
+
+
+def _lies_inside(item: Path, folder: Path) -> bool:
+    """Whether ``item`` exists and is ``folder`` or lies below it (links resolved)."""
+    if not item.exists():
+        return False
+    return item.resolve().is_relative_to(folder.resolve())
 
 
 def _other_node(name: str) -> bool:

@@ -294,6 +294,8 @@ def load_experiment(path: str | Path) -> Experiment:
             f'{where}: names no models; add e.g. models = ["transformer"] '
             "(strategies default to ddp and allreduce)"
         )
+    if raw.get("data") == "":
+        raise UserError(f'{where}: data = "" names no path; give the data\'s path or leave it out')
     if "data" in raw and not isinstance(raw["data"], str):
         raise UserError(
             f"{where}: data must be one path (a string), got {raw['data']!r}: every cell "
@@ -309,6 +311,11 @@ def load_experiment(path: str | Path) -> Experiment:
             values[key] = list(keys.texts(key, example=json.dumps(example), empty=False))
         else:
             values[key] = list(keys.counts(key, example=json.dumps(example)))
+        if twice := sorted({v for v in values[key] if values[key].count(v) > 1}, key=str):
+            raise UserError(
+                f"{where}: {key} lists {twice[0]!r} twice; its cells would share one folder "
+                "and one result; list each value once (use repeats to run a cell again)"
+            )
     for key in ("steps", "repeats", "hosts"):
         if key in keys:
             values[key] = keys.count(key)
@@ -332,6 +339,11 @@ def load_experiment(path: str | Path) -> Experiment:
     experiment = Experiment(**values)
     _check_names(experiment, where)
     check_bounds(experiment, where)  # by arithmetic, before the matrix is built
+    if not experiment.cells():
+        raise UserError(
+            f"{where}: the matrix has no cells: single runs only with 1 worker, and workers = "
+            f"{experiment.workers}; add 1 to workers or another strategy to strategies"
+        )
     return experiment
 
 
@@ -431,9 +443,9 @@ def _published_gain(value: Any, where: str) -> PublishedGain:
         )
     gains = {key: gain for key, gain in value.items() if key not in names}
     for model, gain in gains.items():
-        if not isinstance(gain, int | float) or isinstance(gain, bool):
+        if not isinstance(gain, int | float) or isinstance(gain, bool) or not math.isfinite(gain):
             raise UserError(
-                f"{where}: published_gain.{model} must be a number (0.25 = +25%), got {gain!r}"
+                f"{where}: published_gain.{model} must be a finite number (0.25 = +25%), got {gain!r}"
             )
     return PublishedGain(**names, gains={model: float(gain) for model, gain in gains.items()})
 

@@ -348,7 +348,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out or keys.text("out", f"results/{path.stem}", example='"results/x"'))
     options = _predict_options(args)
     missing = _missing_profiles(profiles, preset, path)
-    claim_run_dir(out, overwrite=args.overwrite)
+    inputs = [path, *profiles.values(), *_calibration_of(args)]
+    claim_run_dir(out, overwrite=args.overwrite, inputs=inputs)
     for model, profile in missing.items():  # after the claim: it may lie under out
         claim_output_file(profile, overwrite=False, flag=f"{path}: profiles.{model}")
     record = {"experiment": str(path), "profiles": profiles}
@@ -361,6 +362,11 @@ def _run_experiment(args: argparse.Namespace) -> int:
         claim_run_dir(out / model, overwrite=False)
         _predict_into(out / model, Profile.load(profile), options, args)
     return EXIT_OK
+
+
+def _calibration_of(args: argparse.Namespace) -> list[str]:
+    """``--calibrate``'s file, if one is given: an input that ``--overwrite`` must keep."""
+    return [args.calibrate] if getattr(args, "calibrate", None) else []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -432,7 +438,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     options = _predict_options(args)
     out = Path(args.out or f"runs/predict-{time.strftime('%Y%m%d-%H%M%S')}")
-    claim_run_dir(out, overwrite=args.overwrite)
+    claim_run_dir(out, overwrite=args.overwrite, inputs=[args.profile, *_calibration_of(args)])
     _predict_into(out, profile, options, args)
     return EXIT_OK
 

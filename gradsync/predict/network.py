@@ -72,8 +72,8 @@ def parse_latency(text: str, option: str = "--latency") -> float:
         raise UserError(
             f"{option} {text!r} is not a duration; write e.g. 25us, 0.5ms or 0"
         ) from None
-    if value < 0:
-        raise UserError(f"{option} must be >= 0, got {text}")
+    if not 0 <= value < math.inf:  # nan, a negative or an infinite wait: no step ends
+        raise UserError(f"{option} must be a finite duration >= 0, got {text}; write e.g. 25us")
     return value
 
 

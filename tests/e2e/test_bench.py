@@ -144,6 +144,9 @@ BAD_FILES = {
     "seed negative": ('models = ["mnist-cnn"]\nseed = -1\n', "seed = -1 is not a whole number"),
     "verify a string": ('models = ["mnist-cnn"]\nverify = "yes"\n', "is not true or false"),
     "a folder": (None, "bench bad.toml is a folder"),
+    "a value twice": ('models = ["mnist-cnn"]\nworkers = [2, 2]\n', "workers lists 2 twice"),
+    "no cells": ('models = ["mnist-cnn"]\nstrategies = ["single"]\n', "the matrix has no cells"),
+    "empty data": ('models = ["mnist-cnn"]\ndata = ""\n', "names no path"),
 }
 
 

@@ -56,7 +56,8 @@ def test_published_gain_is_read_with_its_numbers(tmp_path: Path) -> None:
         ('strategy = "p3"\nbaseline = "ps"\n', "needs strategy, baseline and source"),
         ('strategy = "p3"\nbaseline = "ddp"\nsource = "x"\n', "compares 'ddp'"),
         ('strategy = "p3"\nbaseline = "ps"\nsource = "x"\nvgg19 = 0.6\n', "for 'vgg19'"),
-        ('strategy = "p3"\nbaseline = "ps"\nsource = "x"\nmnist-cnn = "a lot"\n', "a number"),
+        ('strategy = "p3"\nbaseline = "ps"\nsource = "x"\nmnist-cnn = "a lot"\n', "finite number"),
+        ('strategy = "p3"\nbaseline = "ps"\nsource = "x"\nmnist-cnn = nan\n', "finite number"),
     ],
 )
 def test_bad_published_gain_is_a_user_error(tmp_path: Path, table: str, message: str) -> None:

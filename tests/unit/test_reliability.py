@@ -25,6 +25,7 @@ from gradsync.checkpoint import load_checkpoint, save_checkpoint, sidecar_path
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.heartbeat import LastBeat
+from gradsync.jobs import inputs_of, validate
 from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank
 from gradsync.resume import check_resume, checkpoint_step, meta_differences, resumable
 from gradsync.rundir import claim_run_dir
@@ -92,6 +93,31 @@ def test_overwrite_clears_a_demo_folder_whose_cells_are_runs(tmp_path: Path) -> 
     (tmp_path / "notes" / "config.json").write_text("{}")  # a config alone is not a run
     with pytest.raises(UserError, match="no gradsync run"):
         claim_run_dir(tmp_path, overwrite=True)
+
+
+def test_overwrite_never_deletes_an_input_of_the_run(tmp_path: Path) -> None:
+    """A model file, data or an experiment inside --out would be lost with the old run:
+    --overwrite refuses and touches nothing."""
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "nets").mkdir()
+    (run / "nets" / "mine.py").write_text("def build(): ...")
+    config = TrainConfig(model=f"{run}/nets/mine.py:build", out=str(run))
+    with pytest.raises(UserError, match=r"this run reads .*mine\.py, which lies inside it"):
+        claim_run_dir(run, overwrite=True, inputs=inputs_of(config))
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics", "nets"]
+    claim_run_dir(run, overwrite=True, inputs=[tmp_path / "elsewhere.py", "no/such/file"])
+    assert not any(run.iterdir())
+
+
+def test_a_batch_the_workers_cannot_share_is_refused_before_the_folder(tmp_path: Path) -> None:
+    """The tiny preset's global batch (8) on 3 workers: one line at validation, so the
+    folder that --overwrite would clear is still whole."""
+    config = TrainConfig(model="mnist-cnn", preset="tiny", workers=3, out=str(tmp_path))
+    with pytest.raises(UserError, match=r"global batch .* 8, does not divide by --workers 3"):
+        validate(config)
+    validate(config.replace(global_batch=6))
 
 
 def test_out_that_is_a_file_or_unwritable_is_one_line(tmp_path: Path) -> None:
