@@ -29,6 +29,7 @@ import torch.distributed as dist
 from gradsync.checkpoint import RNG, Checkpoint, load_checkpoint_meta
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
+from gradsync.optim import effective_lr
 from gradsync.strategies import Strategy, strategy_class
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -42,8 +43,14 @@ MUST_MATCH = (
     "seed",
     "global_batch",
     "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "lr_warmup_steps",
     "deterministic",
     "dtype",
+    "batchnorm",
+    "data",
 )
 
 
@@ -109,11 +116,22 @@ def check_resume(config: TrainConfig, run_dir: Path) -> int:
 def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
     """``setting X, not Y`` for every result-affecting setting the run and ``config`` differ in.
 
+    The global batch and learning rate are compared as the run resolved them (the preset's
+    batch where ``--global-batch`` is not given, the scaled rate); a setting the checkpoint
+    does not record (an older gradsync) is not compared.
+
     Example:
-        >>> meta = {"model": "mnist-cnn", "workers": 2, "global_batch": None}
-        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", workers=4))
+        >>> meta = {"model": "mnist-cnn", "preset": "tiny", "workers": 2, "global_batch": 8}
+        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", preset="tiny", workers=4))
         ['workers 2, not 4']
+        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", preset="tiny", workers=2,
+        ...                                    global_batch=16))
+        ['global_batch 8, not 16']
     """
+    from gradsync.models import workload_of
+
+    preset_batch = workload_of(config).global_batch
+    global_batch = config.global_batch or preset_batch
     mine = {
         "model": config.model,
         "preset": config.preset,
@@ -121,18 +139,22 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
         "strategy": config.strategy,
         "workers": config.workers,
         "seed": config.seed,
-        "global_batch": config.global_batch,
+        "global_batch": global_batch,
         "optimizer": config.optim.name,
+        "lr": effective_lr(config.optim, global_batch, preset_batch),
+        "momentum": config.optim.momentum,
+        "weight_decay": config.optim.weight_decay,
+        "lr_warmup_steps": config.optim.lr_warmup_steps,
         "deterministic": config.deterministic,
         "dtype": config.dtype,
+        "batchnorm": config.batchnorm,
+        "data": config.data,
     }
-    differences = []
-    for key in MUST_MATCH:
-        if key not in meta or (key == "global_batch" and config.global_batch is None):
-            continue  # an older checkpoint, or the preset's batch (recorded resolved)
-        if meta[key] != mine[key]:
-            differences.append(f"{key} {meta[key]}, not {mine[key]}")
-    return differences
+    return [
+        f"{key} {meta[key]}, not {mine[key]}"
+        for key in MUST_MATCH
+        if key in meta and meta[key] != mine[key]
+    ]
 
 
 def rng_tensors(

@@ -445,7 +445,8 @@ def _published_gain(value: Any, where: str) -> PublishedGain:
     for model, gain in gains.items():
         if not isinstance(gain, int | float) or isinstance(gain, bool) or not math.isfinite(gain):
             raise UserError(
-                f"{where}: published_gain.{model} must be a finite number (0.25 = +25%), got {gain!r}"
+                f"{where}: published_gain.{model} must be a finite number (0.25 = +25%), "
+                f"got {gain!r}"
             )
     return PublishedGain(**names, gains={model: float(gain) for model, gain in gains.items()})
 

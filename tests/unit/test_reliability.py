@@ -22,7 +22,7 @@ from gradsync import checkpoint
 from gradsync.bench import sweep
 from gradsync.bench.experiment import Experiment, check_bounds
 from gradsync.checkpoint import load_checkpoint, save_checkpoint, sidecar_path
-from gradsync.config import TrainConfig
+from gradsync.config import OptimConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.heartbeat import LastBeat
 from gradsync.jobs import inputs_of, validate
@@ -334,6 +334,13 @@ def test_resume_names_a_setting_that_differs_and_refuses_a_strategy_it_cannot_re
     meta = {"model": "mnist-cnn", "preset": "tiny", "seed": 0, "workers": 2, "dtype": "float64"}
     config = TrainConfig(model="mnist-cnn", preset="tiny", workers=2, seed=1, dtype="float64")
     assert meta_differences(meta, config) == ["seed 0, not 1"]
+    # The batch and rate as the run resolved them: the preset's batch (8) when the flag is
+    # left out, the rate after scaling; every optimizer setting that changes the result.
+    ran = {**meta, "seed": 1, "global_batch": 16, "lr": 0.05, "momentum": 0.9, "data": None}
+    assert meta_differences(ran, config) == ["global_batch 16, not 8"]
+    assert meta_differences(ran, config.replace(global_batch=16)) == []
+    changed = config.replace(global_batch=16, optim=OptimConfig(lr=0.1, momentum=0.5))
+    assert meta_differences(ran, changed) == ["lr 0.05, not 0.1", "momentum 0.9, not 0.5"]
     assert all(resumable(name) for name in ("single", "ddp", "allreduce", "ps", "hybrid", "p3"))
     with mock.patch.dict(STRATEGIES, {"saves-own": _SavesItsOwnState}):
         assert not resumable("saves-own")
