@@ -76,6 +76,14 @@ def check_trace(path: Path, step: int | None = None) -> None:
     from gradsync.timeline_summary import load_trace
 
     steps = check_events(path, load_trace(path)["traceEvents"])
+    if not steps:
+        raise UserError(f"{path} records no steps; widen --timeline-steps")
+    for suffix in (".summary.json", ".gantt.png"):  # what summarizing writes beside it
+        output = path.with_name(path.stem + suffix)
+        if output.is_dir():
+            raise UserError(
+                f"{output} is a folder, where the summary of {path} is written; move it away"
+            )
     if step is not None and step not in steps:
         recorded = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
         raise UserError(f"--step {step} is not in {path}, which records {recorded}; pick one")

@@ -322,3 +322,28 @@ def test_timeline_summarize_refuses_a_binary_file_in_one_line(
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00\xa8\xff\xfe")
     refused(["timeline", "summarize", str(weights)], capsys, "not a gradsync Chrome-trace")
+
+
+def _trace(path: Path, steps: list[int]) -> Path:
+    """A minimal gradsync trace: one rank's STEP spans."""
+    events: list[dict[str, object]] = []
+    for i, step in enumerate(steps):
+        track = {"name": "STEP", "pid": 0, "tid": 0}
+        begin = {**track, "ph": "B", "ts": 10 * i, "args": {"step": step}}
+        events += [begin, {**track, "ph": "E", "ts": 10 * i + 5}]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_timeline_summarize_writes_nothing_when_it_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace without steps, or a folder where a summary goes, refuses every trace given
+    before any summary is written; an earlier summary is left as it was."""
+    good, empty = _trace(tmp_path / "good.json", [1, 2]), _trace(tmp_path / "empty.json", [])
+    (tmp_path / "empty.summary.json").write_text('{"mine": "precious"}')
+    refused(["timeline", "summarize", str(good), str(empty)], capsys, "records no steps")
+    assert not (tmp_path / "good.summary.json").exists()
+    assert (tmp_path / "empty.summary.json").read_text() == '{"mine": "precious"}'
+    (tmp_path / "good.summary.json").mkdir()
+    refused(["timeline", "summarize", str(good)], capsys, "is a folder")
