@@ -91,6 +91,18 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
             f"{', '.join(parameters)}"
         )
     kwargs = {k: v for k, v in available.items() if takes_any or k in parameters}
+    required = [
+        key
+        for key, p in parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and key not in kwargs
+    ]
+    if required:
+        raise UserError(
+            f"user model {name} requires '{required[0]}', which gradsync does not pass; give "
+            f"it a default, or pass it with --model-option {required[0]}=VALUE"
+        )
     if load_only:
         return None  # type: ignore[return-value]
     try:
@@ -99,6 +111,13 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
         raise UserError(
             f"user model {name} called sys.exit({error.code!r}) instead of returning "
             "(model, dataset, loss)"
+        ) from None
+    except UserError:
+        raise
+    except Exception as error:  # the user's code: one line, not its traceback
+        raise UserError(
+            f"user model {name} raised {type(error).__name__} while building: {error}; fix "
+            "the function (calling it in Python shows the traceback)"
         ) from None
     if isinstance(result, Workload):
         return result

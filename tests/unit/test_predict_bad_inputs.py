@@ -136,6 +136,18 @@ def test_a_profile_that_is_no_object_is_one_line(
     assert "pop expected" not in err
 
 
+@pytest.mark.parametrize("value", ["inf", "infms", "nan"])
+def test_a_latency_no_step_can_wait_is_one_line(
+    value: str, profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An infinite latency made the simulator wait forever; it is refused before --out."""
+    out = tmp_path / "pred"
+    argv = ["predict", "--profile", str(profile_file), *FAST, "--out", str(out)]
+    refused([*argv, "--latency", value], capsys, "--latency")
+    refused([*argv, "--queue", value], capsys, "--queue")
+    assert not out.exists()
+
+
 def test_a_profile_folder_is_not_called_missing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

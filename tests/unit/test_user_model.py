@@ -197,12 +197,12 @@ def test_var_keyword_build_gets_everything(model_file):
     request = BuildRequest(
         preset="tiny", seed=1, data=None, dropout=False, options={"sparse": "true"}
     )
-    with pytest.raises(RuntimeError) as raised:
+    with pytest.raises(UserError) as raised:  # its RuntimeError, as one line
         build_user_workload(f"{model_file}:build_any", request)
-    assert str(raised.value) == (
-        "got [('data', None), ('dropout', False), ('preset', 'tiny'), "
-        "('seed', 1), ('sparse', 'true')]"
-    )
+    assert (
+        "RuntimeError while building: got [('data', None), ('dropout', False), "
+        "('preset', 'tiny'), ('seed', 1), ('sparse', 'true')]"
+    ) in str(raised.value)
 
 
 def test_unknown_option_is_a_user_error_listing_the_parameters(model_file):
@@ -300,3 +300,22 @@ def test_registry_front_door_handles_user_models(model_file, tmp_path):
     check_model(f"{model_file}:build")  # loads fine
     with pytest.raises(UserError, match="does not exist"):
         check_model(f"{tmp_path / 'gone.py'}:build")
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ('def build():\n    raise RuntimeError("boom")\n', "RuntimeError while building: boom"),
+        ("def build(width):\n    return None\n", "requires 'width'"),
+        ("def build(*, depth):\n    return None\n", "requires 'depth'"),
+    ],
+)
+def test_a_user_build_function_that_fails_is_one_line(
+    tmp_path: Path, body: str, words: str
+) -> None:
+    """The user's exception, or a parameter gradsync cannot fill, becomes a UserError (one
+    line, exit 2) instead of a traceback from inside the launcher."""
+    (tmp_path / "net.py").write_text(body)
+    with pytest.raises(UserError, match=words) as refused:
+        build_workload(f"{tmp_path}/net.py:build")
+    assert len(str(refused.value).splitlines()) == 1
