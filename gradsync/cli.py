@@ -392,6 +392,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_slurm_step()  # a batch script's `gradsync train` without srun
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise UserError(f"--resume {args.resume} goes on in that folder; drop --out {args.out}")
+    if args.resume and getattr(args, "overwrite", False):
+        raise UserError(
+            f"--resume {args.resume} keeps that run and goes on from its checkpoint, and "
+            "--overwrite would clear it; drop one of them"
+        )
     common = dict(
         strategy=args.strategy,
         strategy_options=_strategy_options(args.strategy, args),

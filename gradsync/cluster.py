@@ -285,7 +285,7 @@ def srun_job(config: TrainConfig) -> dict[str, Any]:
     check_allocation()
     if config.launch.hosts:
         raise UserError("emulated hosts (bandwidths) cannot run under srun; remove bandwidths")
-    validate(config)
+    validate(config, local=False)
     cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "1"))
     if config.launch.threads is None:
         config = config.replace(launch=dataclasses.replace(config.launch, threads=cpus))

@@ -3,6 +3,7 @@ summary; with ``max_restarts``, relaunch a job whose rank died from its last che
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,21 +18,24 @@ from gradsync.models import build_workload, check_model
 from gradsync.models.user import check_user_step, is_user_model
 from gradsync.resume import check_resume, checkpoint_step, resumable
 from gradsync.rundir import check_writable, claim_output_file, claim_run_dir
-from gradsync.strategies import check_strategy
+from gradsync.strategies import check_strategy, world_size_of
 
 LOG_FILE = "stdout.log"
 
 
-def validate(config: TrainConfig, *, one_rank: bool = False) -> None:
+def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True) -> None:
     """Every check that can fail before any process starts (UserError on failure).
 
     A user model is built once here and run on two samples, so a wrong return type, a loss
     that is not a scalar or a model without parameters is one line before launch.
     ``one_rank``: this process is one rank of torchrun's, Slurm's or mpirun's job, which
-    cannot count its node's ranks (the rendezvous checks their GPUs).
+    cannot count its node's ranks (the rendezvous checks their GPUs). ``local`` False: the
+    job's ranks start elsewhere (srun), so this machine's cores do not bound them.
     """
     check_model(config.model, config.preset, config.model_options)
     check_strategy(config)
+    if local and not one_rank:
+        check_local_ranks(world_size_of(config) // config.launch.num_nodes)
     # --device cuda that this machine cannot give: refused here, before the run folder.
     if one_rank:
         rank_device(config)
@@ -55,6 +59,26 @@ def validate(config: TrainConfig, *, one_rank: bool = False) -> None:
             f"the global batch of {config.model} ({config.preset}), {batch}, does not divide by "
             f"--workers {workers}; pass --global-batch {workers * max(1, batch // workers)} "
             f"(a multiple of {workers}) or choose --workers that divides {batch}"
+        )
+
+
+MAX_RANKS_PER_CORE = 64  # beyond this a local job measures the scheduler, not training
+
+
+def check_local_ranks(local_ranks: int) -> None:
+    """UserError when this machine would start far more ranks than it has cores (every
+    step waits for each rank in turn; 100,000 ranks on 2 cores never finish starting).
+
+    Example:
+        >>> check_local_ranks(4)  # fine anywhere
+    """
+    cores = os.cpu_count() or 1
+    limit = max(256, MAX_RANKS_PER_CORE * cores)
+    if local_ranks > limit:
+        raise UserError(
+            f"{local_ranks} ranks on this machine's {cores} core(s) is more than {limit} "
+            f"({MAX_RANKS_PER_CORE} a core); lower --workers or --servers, or spread the job "
+            "over nodes (--nnodes, torchrun, Slurm)"
         )
 
 
@@ -145,4 +169,12 @@ def _restart_config(config: TrainConfig, failure: JobFailed, attempt: int) -> Tr
     return config.replace(resume=bool(step))
 
 
-__all__ = ["LOG_FILE", "claim_timeline", "inputs_of", "prepare_out", "run_job", "validate"]
+__all__ = [
+    "LOG_FILE",
+    "check_local_ranks",
+    "claim_timeline",
+    "inputs_of",
+    "prepare_out",
+    "run_job",
+    "validate",
+]

@@ -317,6 +317,12 @@ def check_cells(
 ) -> None:
     """UserError, before any job, for a bad strategy spec, a device the jobs cannot have
     or a command-line option that none of ``strategies`` takes."""
+    if all(spec.split(":")[0] == REFERENCE for spec in strategies):
+        raise UserError(
+            f"--strategies {','.join(strategies)} names only the reference ({REFERENCE}), so "
+            "nothing would be compared with it; name the strategies to verify, e.g. "
+            "--strategies ddp,allreduce"
+        )
     _cell_configs(base, _cells(strategies, workers), out, given)
     taken = {key for spec in strategies for key in field_names(options_class(spec.split(":")[0]))}
     if unused := sorted(set(given) - taken):

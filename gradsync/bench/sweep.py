@@ -205,7 +205,7 @@ def run_sweep(
     if launcher == "local":  # under srun each cell's ranks agree in their rendezvous
         configs = dict(zip(configs, on_one_device(list(configs.values())), strict=True))
     for config in configs.values():
-        validate(config)  # a bad matrix fails before the first job, not halfway
+        validate(config, local=launcher == "local")  # a bad matrix fails before any job
     check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
     claim_results_dir(out, experiment, overwrite=overwrite)
     todo, done = _cells_to_run(cells, configs, out)

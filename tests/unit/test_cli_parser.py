@@ -342,6 +342,9 @@ def test_master_addr_flag_reaches_the_rank_under_mpirun(ranks_started, tmp_path)
         (["train", "--lr", "inf"], "--lr must be a finite number"),
         (["verify", "--strategies", "ddp,allreduce", "--slice-size", "9"], "--slice-size"),
         (["verify", "--strategies", "ps:bogus=1"], "'ps:bogus=1': unknown option 'bogus'"),
+        (["verify", "--strategies", "single"], "nothing would be compared"),
+        (["train", "--workers", "100000", "--global-batch", "100000"], "lower --workers"),
+        (["train", "--model", "mnist-cnn", "--preset", "tiny", "--workers", "3"], "--workers 3"),
     ],
 )
 def test_option_errors_exit_2_before_launch(capsys, no_launcher, tmp_path, argv, mentions):
@@ -354,3 +357,13 @@ def test_option_errors_exit_2_before_launch(capsys, no_launcher, tmp_path, argv,
 def test_one_flag_serves_every_strategy_that_takes_the_option():
     args = build_parser().parse_args(["train", "--servers", "2", "--no-priority"])
     assert given_options(args) == {"servers": 2, "priority": False}
+
+
+def test_resume_with_overwrite_is_refused(capsys, no_launcher, tmp_path):
+    """--resume keeps the run, --overwrite would clear it: one line, nothing touched."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert main(["train", "--resume", str(run), "--overwrite"]) == EXIT_USER_ERROR
+    assert "drop one of them" in _one_line_error(capsys)
+    assert [p.name for p in run.iterdir()] == ["config.json"]
