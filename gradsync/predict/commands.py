@@ -29,6 +29,10 @@ DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit"
 EXIT_OK = 0
 
 
+# predict's flags and their defaults: an --experiment key fills a flag left at its default.
+PREDICT_DEFAULTS: dict[str, Any] = {}
+
+
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Add ``gradsync profile`` and ``gradsync predict`` to the subcommands."""
     from gradsync.cli import _key_value
@@ -165,8 +169,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     predict.add_argument(
         "--experiment",
         metavar="FILE.toml",
-        help="read these options from a file (keys named as the flags); a missing profile "
-        "is measured first from its model, preset and batch keys",
+        help="read these options from a file (keys named as the flags; a flag given on the "
+        "command line wins); a missing profile is measured first from its model, preset and "
+        "batch keys",
     )
     predict.add_argument("--out", help="results folder (default: runs/predict-<time>)")
     predict.add_argument(
@@ -175,6 +180,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="replace the results already in --out (only a folder of gradsync's outputs); "
         "--validate without it goes on with the cells an earlier run measured there",
     )
+    PREDICT_DEFAULTS.update({action.dest: action.default for action in predict._actions})
 
 
 def _strategy_specs(args: argparse.Namespace) -> list[str]:
@@ -342,7 +348,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
     profiles = keys.text_table("profiles", example='{ vgg16 = "profiles/vgg16.json" }')
     if not profiles:
         raise UserError(f'{path}: needs a [profiles] table, e.g. vgg16 = "profiles/vgg16.json"')
-    vars(args).update(_experiment_options(keys))
+    given = {k for k, v in vars(args).items() if k in PREDICT_DEFAULTS and v != PREDICT_DEFAULTS[k]}
+    vars(args).update({k: v for k, v in _experiment_options(keys).items() if k not in given})
     preset = keys.text("preset", "default", example='"tiny"')
     batch = keys.count("batch", None)
     out = Path(args.out or keys.text("out", f"results/{path.stem}", example='"results/x"'))

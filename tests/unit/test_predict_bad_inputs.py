@@ -235,6 +235,16 @@ def test_an_experiment_profile_path_must_be_writable_as_a_file(
         assert not (tmp_path / "exp").exists()
 
 
+def test_a_flag_given_beside_an_experiment_wins_over_its_key(
+    profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--workers on the command line is what runs, not the file's workers (it was dropped)."""
+    path = experiment_file(tmp_path, profile_file, "workers = [4]")
+    assert main(["predict", "--experiment", str(path), "--workers", "2"]) == 0
+    predictions = json.loads((tmp_path / "exp" / "hand" / "predictions.json").read_text())
+    assert {point["workers"] for point in predictions["points"]} == {2}
+
+
 def test_an_experiment_claims_its_out_once(
     profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
