@@ -41,6 +41,8 @@ def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True)
         rank_device(config)
     else:
         resolve_device(config)
+    if one_rank and not is_user_model(config.model):
+        return  # the batch is checked after the rendezvous, which first checks the world size
     # Built here (milliseconds for the zoo) so that bad data and a batch the workers cannot
     # share are refused before the run folder is claimed, not by the ranks after launch.
     workload = build_workload(
@@ -53,7 +55,7 @@ def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True)
     )
     if is_user_model(config.model):
         check_user_step(config.model, workload)
-    if config.global_batch is None and workload.global_batch % config.workers:
+    if not one_rank and config.global_batch is None and workload.global_batch % config.workers:
         batch, workers = workload.global_batch, config.workers
         raise UserError(
             f"the global batch of {config.model} ({config.preset}), {batch}, does not divide by "

@@ -34,8 +34,24 @@ pytestmark = [
 ]
 
 FAILING_MODEL = """
+import torch
+import torch.distributed as dist
+
+
+class FailsInTheRanks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        if dist.is_initialized():  # in the ranks, not in the launcher's check of the model
+            raise RuntimeError("this model fails on purpose")
+        return self.linear(x)
+
+
 def build(preset="tiny"):
-    raise RuntimeError("this model fails on purpose")
+    samples = [(torch.randn(4), torch.tensor(i % 2)) for i in range(16)]
+    return FailsInTheRanks(), samples, torch.nn.functional.cross_entropy
 """
 
 
