@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# A user model that fails on purpose where asked (its options: tests/models/faulty.py).
+FAULTY = f"{REPO / 'tests' / 'models' / 'faulty.py'}:build"
 USER_MODEL = REPO / "examples" / "user_model.py"
 
 

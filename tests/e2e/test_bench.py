@@ -11,7 +11,7 @@ import pytest
 from gradsync.bench import sweep
 from gradsync.bench.experiment import load_experiment
 from gradsync.bench.report import write_report
-from tests.e2e.conftest import REPO, gradsync
+from tests.e2e.conftest import FAULTY, REPO, gradsync
 
 TINY = REPO / "experiments" / "tiny.toml"
 
@@ -88,38 +88,16 @@ def test_interrupted_sweep_resumes_without_redoing_cells(
     assert write_report(workdir / "out").exists()
 
 
-FAILING_MODEL = """
-import torch
-import torch.distributed as dist
-
-
-class FailsInTheRanks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 2)
-
-    def forward(self, x):
-        if dist.is_initialized():  # in the ranks, not in the launcher's check of the model
-            raise RuntimeError("this model fails on purpose")
-        return self.linear(x)
-
-
-def build(preset="tiny"):
-    samples = [(torch.randn(4), torch.tensor(i % 2)) for i in range(16)]
-    return FailsInTheRanks(), samples, torch.nn.functional.cross_entropy
-"""
-
-
 @pytest.mark.slow
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(workdir: Path) -> None:
     """Cells whose ranks fail (a model that passes the launcher's check, then raises in
     training) are recorded as failed; the sweep goes on and the report lists them. Bad
     data, by contrast, is refused before the first cell (test_bad_experiment_file_...)."""
     experiment_file = workdir / "fail.toml"
-    (workdir / "fails.py").write_text(FAILING_MODEL)
     experiment_file.write_text(
-        'name = "fail"\nmodels = ["fails.py:build"]\npreset = "tiny"\n'
+        f'name = "fail"\nmodels = ["{FAULTY}"]\npreset = "tiny"\n'
         'strategies = ["ddp", "allreduce"]\nworkers = [2]\nglobal_batch = [8]\nsteps = 2\n'
+        f'[model_options."{FAULTY}"]\nraise_in_ranks = "1"\n'
     )
     result = gradsync("bench", str(experiment_file), "--out", "out", cwd=workdir)
     assert result.returncode == 0, result.stderr

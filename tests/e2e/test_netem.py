@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gradsync import cli, netem
-from tests.e2e.conftest import gradsync, verify_outcomes
+from tests.e2e.conftest import FAULTY, gradsync, verify_outcomes
 
 
 def _gradsync(workdir: Path, command: str):
@@ -32,27 +32,6 @@ pytestmark = [
         reason="emulated hosts need iproute2 (ip and tc)",
     ),
 ]
-
-FAILING_MODEL = """
-import torch
-import torch.distributed as dist
-
-
-class FailsInTheRanks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 2)
-
-    def forward(self, x):
-        if dist.is_initialized():  # in the ranks, not in the launcher's check of the model
-            raise RuntimeError("this model fails on purpose")
-        return self.linear(x)
-
-
-def build(preset="tiny"):
-    samples = [(torch.randn(4), torch.tensor(i % 2)) for i in range(16)]
-    return FailsInTheRanks(), samples, torch.nn.functional.cross_entropy
-"""
 
 
 def _network() -> dict[str, list[str]]:
@@ -184,9 +163,10 @@ def test_training_across_two_hosts_matches_single(workdir: Path, unchanged_netwo
 
 
 def test_failed_run_leaves_nothing(workdir: Path, unchanged_network) -> None:
-    (workdir / "broken.py").write_text(FAILING_MODEL)
     result = _gradsync(
-        workdir, "train --model broken.py:build --workers 2 --steps 2 --hosts 2 --bandwidth 1gbit"
+        workdir,
+        f"train --model {FAULTY} --model-option raise_in_ranks=1 --workers 2 "
+        "--steps 2 --hosts 2 --bandwidth 1gbit",
     )
     assert result.returncode == 1
     assert "fails on purpose" in result.stderr

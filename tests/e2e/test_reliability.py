@@ -15,11 +15,10 @@ import pytest
 from safetensors import safe_open
 
 from gradsync.checkpoint import load_checkpoint
-from tests.e2e.conftest import REPO, gradsync
+from tests.e2e.conftest import FAULTY, gradsync
 
 pytestmark = pytest.mark.slow
 
-FAULTY = f"{REPO / 'tests' / 'models' / 'faulty.py'}:build"
 TINY = ["--model", "mnist-cnn", "--preset", "tiny"]
 
 

@@ -6,6 +6,9 @@ Options (``--model-option KEY=VALUE``):
   forward pass, once: it first creates the file ``marker``, and does nothing if it exists
   (so a resumed or restarted run goes through);
 - ``nan_at=N``: the loss is NaN from the N-th forward pass on;
+- ``raise_in_ranks=1``: every forward pass of a rank (a process group is up) raises
+  ``RuntimeError("this model fails on purpose")``, while the launcher's own check of the
+  model, which has no process group, goes through;
 - ``sparse=1``: it also adds a row of a sparse ``nn.Embedding`` (picked by the first
   input) to its output, so ``hybrid`` has a sparse variable for its servers.
 
@@ -19,6 +22,7 @@ import signal
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -27,7 +31,14 @@ ROWS = 12
 
 class Faulty(nn.Module):
     def __init__(
-        self, *, dropout: bool, crash_at: int, crash_rank: int, marker: str, sparse: bool
+        self,
+        *,
+        dropout: bool,
+        crash_at: int,
+        crash_rank: int,
+        marker: str,
+        sparse: bool,
+        raise_in_ranks: bool = False,
     ) -> None:
         super().__init__()
         self.layers = nn.Sequential(
@@ -36,9 +47,12 @@ class Faulty(nn.Module):
         self.table = nn.Embedding(ROWS, 4, sparse=True) if sparse else None
         self.calls = 0
         self.crash_at, self.crash_rank, self.marker = crash_at, crash_rank, Path(marker)
+        self.raise_in_ranks = raise_in_ranks
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        if self.raise_in_ranks and dist.is_initialized():
+            raise RuntimeError("this model fails on purpose")
         crash_here = int(os.environ.get("RANK", "0")) == self.crash_rank
         if self.calls == self.crash_at and crash_here and not self.marker.exists():
             self.marker.touch()
@@ -58,6 +72,7 @@ def build(
     marker: str = "crashed",
     nan_at: str = "0",
     sparse: str = "0",
+    raise_in_ranks: str = "0",
 ):
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(256, 8, generator=generator)
@@ -68,6 +83,7 @@ def build(
         crash_rank=int(crash_rank),
         marker=marker,
         sparse=sparse == "1",
+        raise_in_ranks=raise_in_ranks == "1",
     )
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
