@@ -88,8 +88,8 @@ class TomlKeys:
 
     def positive(self, key: str, default: Any = _REQUIRED, *, example: str = "0.1") -> float:
         """A finite number above 0, as a float."""
-        fits = _is_positive
-        return float(self._get(key, default, fits, "a finite number above 0", f"{key} = {example}"))
+        expected = "a finite number above 0"
+        return float(self._get(key, default, _is_positive, expected, f"{key} = {example}"))
 
     def texts(
         self, key: str, default: Any = _REQUIRED, *, example: str, empty: bool = True

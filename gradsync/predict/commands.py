@@ -29,10 +29,6 @@ DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit"
 EXIT_OK = 0
 
 
-# predict's flags and their defaults: an --experiment key fills a flag left at its default.
-PREDICT_DEFAULTS: dict[str, Any] = {}
-
-
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Add ``gradsync profile`` and ``gradsync predict`` to the subcommands."""
     from gradsync.cli import _key_value
@@ -180,7 +176,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="replace the results already in --out (only a folder of gradsync's outputs); "
         "--validate without it goes on with the cells an earlier run measured there",
     )
-    PREDICT_DEFAULTS.update({action.dest: action.default for action in predict._actions})
+    # An --experiment key fills only a flag left at its default (a flag given wins).
+    predict.set_defaults(flag_defaults={action.dest: action.default for action in predict._actions})
 
 
 def _strategy_specs(args: argparse.Namespace) -> list[str]:
@@ -348,7 +345,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
     profiles = keys.text_table("profiles", example='{ vgg16 = "profiles/vgg16.json" }')
     if not profiles:
         raise UserError(f'{path}: needs a [profiles] table, e.g. vgg16 = "profiles/vgg16.json"')
-    given = {k for k, v in vars(args).items() if k in PREDICT_DEFAULTS and v != PREDICT_DEFAULTS[k]}
+    defaults = args.flag_defaults
+    given = {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
     vars(args).update({k: v for k, v in _experiment_options(keys).items() if k not in given})
     preset = keys.text("preset", "default", example='"tiny"')
     batch = keys.count("batch", None)
