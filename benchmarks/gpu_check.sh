@@ -59,5 +59,32 @@ run 120 "$py" -m gradsync train --strategy allreduce --workers 2 --model resnet5
 "$py" -c "import json; print(json.load(open('/tmp/gpu-auto/summary.json'))['environment'])" 2>&1 | tee -a "$log"
 run 60 "$py" -m gradsync train --device cuda --strategy ps --workers 1 --model resnet56 --steps 5 --out /tmp/gpu-ps --overwrite
 
+device_of() { # the device a run's summary records
+  "$py" -c "import json,sys; print(sys.argv[1], json.load(open(sys.argv[1] + '/summary.json'))['environment'].get('device'))" "$1" 2>&1 | tee -a "$log"
+}
+
+step "non-affine and batch-only BatchNorm, tied, gated, frozen parameters on CUDA (float64, one rank)"
+run 180 "$py" -m gradsync verify --device cuda --model tests/models/adversarial.py:build_dense \
+  --strategies allreduce,ddp --workers 1 --steps 10 --out /tmp/gpu-adversarial --overwrite
+
+step "resume on the GPU: 10 steps, then resumed to 20, against 20 uninterrupted (bit-identical)"
+resume=(train --device cuda --strategy allreduce --workers 1 --model resnet56 --preset tiny --checkpoint-every 10)
+run 120 "$py" -m gradsync "${resume[@]}" --steps 20 --out /tmp/gpu-whole --overwrite
+run 120 "$py" -m gradsync "${resume[@]}" --steps 10 --out /tmp/gpu-cut --overwrite
+run 120 "$py" -m gradsync "${resume[@]}" --steps 20 --resume /tmp/gpu-cut
+run 60 "$py" -m gradsync compare --tolerance 0 /tmp/gpu-whole /tmp/gpu-cut
+
+step "torchrun: the rendezvous compares GPU UUIDs (one rank: the GPU; two on one GPU: the CPU, or refused with --device cuda)"
+torchrun() { # torchrun NPROC OUT [FLAGS...]
+  local nproc=$1 out=$2; shift 2
+  run 120 "$py" -m torch.distributed.run --nproc-per-node "$nproc" --master-port 29533 -m gradsync \
+    train --strategy allreduce --model resnet56 --preset tiny --steps 10 --out "$out" --overwrite "$@"
+}
+torchrun 1 /tmp/gpu-torchrun1
+device_of /tmp/gpu-torchrun1
+torchrun 2 /tmp/gpu-torchrun2
+device_of /tmp/gpu-torchrun2
+torchrun 2 /tmp/gpu-torchrun3 --device cuda
+
 step "the fast test tier with CUDA visible"
 run 240 "$py" -m pytest -m "not slow" -q -rf -p no:warnings -p no:cacheprovider --timeout 60 --maxfail=6 tests
