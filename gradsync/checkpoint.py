@@ -95,7 +95,18 @@ def load_model_state(
         if key.startswith(OPTIM):
             name, _, state_key = key.removeprefix(OPTIM).rpartition("/")
             if id(params[name]) in owned:  # hybrid's sparse rows live on its servers
-                optimizer.state[params[name]][state_key] = value.clone()
+                optimizer.state[params[name]][state_key] = _state_on_device(
+                    value, params[name], state_key
+                )
+
+
+def _state_on_device(value: Tensor, param: Tensor, key: str) -> Tensor:
+    """A checkpoint's optimizer state as the optimizer keeps it: beside ``param`` (on its
+    GPU), except Adam's step count, which torch keeps on the CPU (as its
+    ``Optimizer.load_state_dict`` does)."""
+    if key == "step":
+        return value.clone()
+    return value.to(device=param.device, copy=True)
 
 
 def versions() -> dict[str, str]:

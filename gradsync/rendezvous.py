@@ -119,16 +119,7 @@ def agreed_device(infos: Sequence[RankInfo]) -> tuple[str, str | None]:
         >>> agreed_device([a, replace(b, gpu="G1")])
         ('cuda', None)
     """
-    reason = None
-    seen: dict[tuple[str, str], RankInfo] = {}
-    for info in infos:
-        if info.device != "cuda":
-            reason = f"rank {info.rank} on {info.host} has no GPU"
-            break
-        other = seen.setdefault((info.host, info.gpu), info)
-        if other is not info:
-            reason = f"ranks {other.rank} and {info.rank} on {info.host} share GPU {info.gpu}"
-            break
+    reason = _gpu_conflict(infos)
     if reason is None:
         return "cuda", None
     if infos[0].wants != "cuda":
@@ -136,6 +127,37 @@ def agreed_device(infos: Sequence[RankInfo]) -> tuple[str, str | None]:
     return "cpu", (
         f"--device cuda gives each rank a GPU of its own, but {reason}; start one process per "
         "GPU (or set CUDA_VISIBLE_DEVICES per rank), or use --device cpu"
+    )
+
+
+def _gpu_conflict(infos: Sequence[RankInfo]) -> str | None:
+    """Why the ranks cannot have a GPU each (a rank without one, two ranks of one host on
+    the same GPU), or None when they can."""
+    seen: dict[tuple[str, str], RankInfo] = {}
+    for info in infos:
+        if info.device != "cuda":
+            return f"rank {info.rank} on {info.host} has no GPU"
+        other = seen.setdefault((info.host, info.gpu), info)
+        if other is not info:
+            return f"ranks {other.rank} and {info.rank} on {info.host} share GPU {info.gpu}"
+    return None
+
+
+def gpu_fallback_note(infos: Sequence[RankInfo]) -> str | None:
+    """The line rank 0 prints when ``auto`` leaves GPUs unused (some rank saw one, but the
+    ranks cannot have one each), as the gradsync launcher does; None otherwise.
+
+    Example:
+        >>> a = RankInfo(rank=0, world_size=2, host="n1", wants="auto", device="cuda", gpu="G0")
+        >>> b = RankInfo(rank=1, world_size=2, host="n1", wants="auto", device="cuda", gpu="G0")
+        >>> print(gpu_fallback_note([a, b]))  # doctest: +ELLIPSIS
+        gradsync: training on the CPU over Gloo: ranks 0 and 1 on n1 share GPU G0 (see ...)
+    """
+    if infos[0].wants == "cuda" or not any(info.device == "cuda" for info in infos):
+        return None
+    reason = _gpu_conflict(infos)
+    return (
+        reason and f"gradsync: training on the CPU over Gloo: {reason} (see Devices in the README)"
     )
 
 
@@ -281,6 +303,9 @@ def _verdict(store: dist.Store, first: RankInfo, timeout: timedelta) -> dict[str
         }
     infos = [RankInfo(**json.loads(store.get(key))) for key in keys]
     device, error = agreed_device(infos)
+    note = gpu_fallback_note(infos)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     return {"error": disagreement(infos) or error, "leader": asdict(first), "device": device}
 
 

@@ -254,4 +254,9 @@ def broadcast_parameters(model: nn.Module, group: Any = None) -> None:
     """Make every rank start from rank 0's parameters and buffers (Horovod's first step)."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0, group=group)
+            if tensor.is_contiguous():
+                dist.broadcast(tensor, src=0, group=group)
+            else:  # NCCL refuses strided tensors ("Tensors must be contiguous")
+                staged = tensor.contiguous()
+                dist.broadcast(staged, src=0, group=group)
+                tensor.copy_(staged)

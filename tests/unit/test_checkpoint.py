@@ -374,3 +374,23 @@ def test_compare_two_saved_checkpoints(tmp_path):
     beyond = {d.name: d.max_abs for d in diffs if not d.within(1e-5)}
     assert list(beyond) == ["param/head.bias"]
     assert beyond["param/head.bias"] == pytest.approx(0.25)
+
+
+def test_optimizer_state_is_restored_beside_its_parameter() -> None:
+    """On a GPU the moments must land on the GPU: session 24's resume on an H200 died in
+    SGD's first step ("cuda:0 and cpu"). The meta device stands in for the GPU; Adam's step
+    count stays on the CPU, where torch keeps it."""
+    from gradsync.checkpoint import load_model_state
+
+    source = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(source.parameters())
+    source(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    target = nn.Linear(3, 2, device="meta")
+    target_optimizer = torch.optim.Adam(target.parameters())
+    load_model_state(target, target_optimizer, model_state(source, optimizer))
+    states = list(target_optimizer.state.values())
+    assert len(states) == 2
+    for state in states:
+        assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
+        assert state["step"].device.type == "cpu"

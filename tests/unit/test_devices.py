@@ -95,3 +95,26 @@ def test_a_compared_set_trains_on_one_device():
 def test_a_set_that_asks_for_cuda_it_cannot_have_is_refused_before_it_runs():
     with pytest.raises(UserError, match="CUDA is not available"):
         on_one_device([_job("single", workers=1, device="cuda")], gpus=0)
+
+
+def test_the_first_broadcast_hands_nccl_contiguous_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL refuses strided tensors ("Tensors must be contiguous"), which Gloo takes: on an
+    H200 (session 24) a model with a transposed parameter crashed allreduce at its first
+    broadcast. A broadcast that refuses them as NCCL does stands in for the GPU here."""
+    import torch
+    from torch import nn
+
+    import gradsync.strategies.base as base
+
+    def nccl_broadcast(tensor: torch.Tensor, src: int, group: object = None) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError("Tensors must be contiguous")
+        tensor.fill_(7.0)  # rank 0's values arrive
+
+    model = nn.Module()
+    model.strided = nn.Parameter(torch.randn(3, 4).t())
+    model.plain = nn.Parameter(torch.randn(2))
+    monkeypatch.setattr(base.dist, "broadcast", nccl_broadcast)
+    base.broadcast_parameters(model)
+    assert not model.strided.is_contiguous()  # the parameter itself is left as it was
+    assert all(bool((param == 7.0).all()) for param in model.parameters())

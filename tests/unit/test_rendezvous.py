@@ -14,7 +14,13 @@ import pytest
 from gradsync import rendezvous
 from gradsync.errors import UserError
 from gradsync.launch import free_port
-from gradsync.rendezvous import RankInfo, agreed_device, check_resolves, disagreement
+from gradsync.rendezvous import (
+    RankInfo,
+    agreed_device,
+    check_resolves,
+    disagreement,
+    gpu_fallback_note,
+)
 from gradsync.topology import RankEnv
 
 TIMEOUT = timedelta(seconds=20)
@@ -125,6 +131,21 @@ def test_ranks_train_on_gpus_only_when_each_has_its_own() -> None:
     # auto: one GPU for two ranks, or a rank without one, is the CPU for every rank
     assert agreed_device([_gpu_rank(0, "G0"), _gpu_rank(1, "G0")]) == ("cpu", None)
     assert agreed_device([_gpu_rank(0, "G0"), _info(1)]) == ("cpu", None)
+
+
+def test_gpus_left_unused_under_auto_are_said_in_one_line() -> None:
+    """Under torchrun on one H200 (session 24) two ranks trained on the CPU without a word;
+    the gradsync launcher says so, and so does rank 0 of any launcher now."""
+    shared = gpu_fallback_note([_gpu_rank(0, "G0"), _gpu_rank(1, "G0")])
+    assert shared == (
+        "gradsync: training on the CPU over Gloo: ranks 0 and 1 on n0 share GPU G0 "
+        "(see Devices in the README)"
+    )
+    assert "rank 1 on n1 has no GPU" in str(gpu_fallback_note([_gpu_rank(0, "G0"), _info(1)]))
+    assert gpu_fallback_note([_gpu_rank(0, "G0"), _gpu_rank(1, "G1")]) is None  # GPUs for all
+    assert gpu_fallback_note([_info(0), _info(1)]) is None  # no GPU anywhere: nothing unused
+    # --device cuda: the refusal says it, not a note
+    assert gpu_fallback_note([_gpu_rank(0, "G0", wants="cuda"), _gpu_rank(1, "G0")]) is None
 
 
 def test_cuda_that_the_ranks_cannot_have_is_one_line_on_every_rank() -> None:
