@@ -37,6 +37,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _path(text: str) -> str:
+    """A path argument that names something: an empty one would silently mean the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} names no path; give one, or leave the flag out")
+    return text
+
+
 def _int_list(text: str) -> list[int]:
     values = [_positive_int(part) for part in text.split(",") if part.strip()]
     if not values:
@@ -103,7 +110,9 @@ def _add_model_options(
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--optimizer", default="sgd", help="sgd | adam")
     optim.add_argument("--lr", type=float, help="learning rate (default: 0.05 sgd, 1e-3 adam)")
-    optim.add_argument("--momentum", type=float, default=0.9)
+    optim.add_argument(
+        "--momentum", type=float, help="SGD's momentum (default 0.9; adam keeps its own moments)"
+    )
     optim.add_argument("--weight-decay", type=float, default=0.0)
     optim.add_argument(
         "--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up (steps)"
@@ -140,7 +149,7 @@ def _add_model_options(
         type=int,
         help="steps left out of throughput (default: 10%%, at least 5)",
     )
-    run.add_argument("--out", help="results folder")
+    run.add_argument("--out", type=_path, help="results folder")
     _add_reliability_options(parser)
 
 
@@ -275,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("experiment", help="TOML experiment file, e.g. experiments/NAME.toml")
     bench.add_argument(
         "--out",
+        type=_path,
         help="results folder (default: results/<experiment name>); "
         "an interrupted sweep resumes there",
     )
@@ -338,10 +348,15 @@ def _config(args: argparse.Namespace, **overrides: object):
         hang_timeout_s=args.hang_timeout,
         max_restarts=getattr(args, "max_restarts", 0),
     )
+    if args.momentum is not None and args.optimizer == "adam":
+        raise UserError(
+            f"--momentum {args.momentum} is SGD's; adam keeps its own moments (betas 0.9, "
+            "0.999) and would ignore it; drop --momentum, or use --optimizer sgd"
+        )
     optim = OptimConfig(
         name=args.optimizer,
         lr=args.lr,
-        momentum=args.momentum,
+        momentum=OptimConfig.momentum if args.momentum is None else args.momentum,
         weight_decay=args.weight_decay,
         lr_warmup_steps=args.lr_warmup_steps,
         lr_scaling=args.lr_scaling,
@@ -381,7 +396,7 @@ def _timestamped(prefix: str) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gradsync.jobs import claim_timeline, run_job, validate
+    from gradsync.jobs import check_every_host_used, claim_timeline, run_job, validate
     from gradsync.rundir import check_writable
     from gradsync.runtime import run_rank
     from gradsync.strategies import strategy_class
@@ -410,6 +425,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if env is None or env.launcher == "gradsync":
         config = _config(args, workers=args.workers or 1, **common)
+        check_every_host_used(config)
         summary = run_job(config, quiet=False, overwrite=args.overwrite)
         print(
             f"{config.strategy} × {config.workers} workers: "
@@ -553,7 +569,7 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
     )
     bench.add_argument("--master-port", type=int)
-    bench.add_argument("--out", help="results folder")
+    bench.add_argument("--out", type=_path, help="results folder")
     _add_overwrite(bench, "replace the results in --out")
     _add_netem_options(bench)
 

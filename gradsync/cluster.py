@@ -156,7 +156,7 @@ def sbatch_script(
 def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
     """The ``gradsync sbatch`` subcommand's options."""
     # The CLI's own flags and checks: one line on bad input, the same help as bench's.
-    from gradsync.cli import REPLACE_RESULTS, _add_overwrite, _positive_int
+    from gradsync.cli import REPLACE_RESULTS, _add_overwrite, _path, _positive_int
 
     sbatch = commands.add_parser(
         "sbatch",
@@ -165,7 +165,9 @@ def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
         "Slurm cluster: one srun step per cell, then `gradsync report` reads the results.",
     )
     sbatch.add_argument("experiment", help="TOML experiment file, e.g. experiments/NAME.toml")
-    sbatch.add_argument("--out", help="results folder (default: results/<experiment name>)")
+    sbatch.add_argument(
+        "--out", type=_path, help="results folder (default: results/<experiment name>)"
+    )
     sbatch.add_argument(
         "--tasks-per-node", type=_positive_int, default=1, help="ranks per node (default 1)"
     )

@@ -50,9 +50,11 @@ class OptimConfig:
                 f"unknown --lr-scaling '{self.lr_scaling}'; choose one of: {', '.join(LR_SCALINGS)}"
             )
         if self.lr is not None and not 0 < self.lr < math.inf:
-            raise UserError(f"--lr must be a finite number > 0, got {self.lr}")
+            raise UserError(f"--lr must be a finite number > 0, got {self.lr} (e.g. --lr 0.05)")
         if not 0 <= self.momentum < 1:
-            raise UserError(f"--momentum must be in [0, 1), got {self.momentum}")
+            raise UserError(
+                f"--momentum must be in [0, 1), got {self.momentum} (e.g. --momentum 0.9)"
+            )
         if not 0 <= self.weight_decay < math.inf:
             raise UserError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if self.lr_warmup_steps < 0:

@@ -16,6 +16,7 @@ from gradsync.launch import launch_local
 from gradsync.metrics import load_summary
 from gradsync.models import build_workload, check_model
 from gradsync.models.user import check_user_step, is_user_model
+from gradsync.netem import place_ranks
 from gradsync.resume import check_resume, checkpoint_step, resumable
 from gradsync.rundir import check_writable, claim_output_file, claim_run_dir
 from gradsync.strategies import check_strategy, world_size_of
@@ -61,6 +62,26 @@ def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True)
             f"the global batch of {config.model} ({config.preset}), {batch}, does not divide by "
             f"--workers {workers}; pass --global-batch {workers * max(1, batch // workers)} "
             f"(a multiple of {workers}) or choose --workers that divides {batch}"
+        )
+
+
+def check_every_host_used(config: TrainConfig) -> None:
+    """UserError when ``train --hosts H`` asks for hosts its ranks would not fill: the run
+    would measure fewer hosts than asked for. (Verify's and bench's sweeps keep such cells:
+    a one-worker cell beside two-host ones runs on one host.)
+
+    Example:
+        >>> check_every_host_used(TrainConfig(strategy="allreduce", workers=2))  # no --hosts
+    """
+    hosts = config.launch.hosts
+    if not hosts:
+        return
+    ranks = world_size_of(config)
+    used = max(place_ranks(ranks, hosts, config.launch.ranks_per_host)) + 1
+    if used < hosts:
+        raise UserError(
+            f"--hosts {hosts}, but the job's {ranks} rank(s) fill only {used} host(s) and the "
+            f"others would stay empty; pass --hosts {used}, or more --workers"
         )
 
 

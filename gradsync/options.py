@@ -68,9 +68,12 @@ def option(
     at_least: float | None = None,
     above: float | None = None,
     none_means: str = "automatic",
+    changes_results: bool = False,
 ) -> Any:
     """A dataclass field of an options class: default, help, flag name and bounds;
-    ``none_means`` is what ``--help`` shows for a default of None."""
+    ``none_means`` is what ``--help`` shows for a default of None; ``changes_results`` marks
+    an option that changes what training computes (not only where or when: a server count,
+    a bucket size), which a resume must match."""
     metadata = dict(
         help=help,
         flag=flag,
@@ -79,6 +82,7 @@ def option(
         at_least=at_least,
         above=above,
         none_means=none_means,
+        changes_results=changes_results,
     )
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -100,6 +104,25 @@ class StrategyOptions:
 
     def check(self, workers: int) -> None:
         """Raise :class:`InvalidOption` if these options cannot run with ``workers``."""
+
+    def result_changing(self) -> dict[str, Any]:
+        """The fields marked ``changes_results``, by name, as JSON keeps them (lists).
+
+        Example:
+            >>> @dataclass(frozen=True, kw_only=True)
+            ... class Knobs(StrategyOptions):
+            ...     window: int = option(4, help="messages in flight")
+            ...     exact: tuple[str, ...] = option((), help="names", changes_results=True)
+            >>> Knobs().result_changing()
+            {'exact': []}
+        """
+        return {
+            item.name: list(value)
+            if isinstance(value := getattr(self, item.name), tuple)
+            else value
+            for item in dataclasses.fields(self)
+            if item.metadata.get("changes_results")
+        }
 
     def changed(self) -> dict[str, Any]:
         """The fields that differ from their defaults (for labels and reports)."""

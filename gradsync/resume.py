@@ -20,6 +20,7 @@ bit-identical to one that was never interrupted (tested per strategy in float64)
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -30,28 +31,10 @@ from gradsync.checkpoint import RNG, Checkpoint, load_checkpoint_meta
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import effective_lr
+from gradsync.options import flag_of
 from gradsync.strategies import Strategy, strategy_class
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
-# Settings that must match between the checkpoint and the resumed run.
-MUST_MATCH = (
-    "model",
-    "preset",
-    "model_options",
-    "strategy",
-    "workers",
-    "seed",
-    "global_batch",
-    "optimizer",
-    "lr",
-    "momentum",
-    "weight_decay",
-    "lr_warmup_steps",
-    "deterministic",
-    "dtype",
-    "batchnorm",
-    "data",
-)
 
 
 def resumable(strategy: str) -> bool:
@@ -113,26 +96,19 @@ def check_resume(config: TrainConfig, run_dir: Path) -> int:
     return step
 
 
-def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
-    """``setting X, not Y`` for every result-affecting setting the run and ``config`` differ in.
-
-    The global batch and learning rate are compared as the run resolved them (the preset's
-    batch where ``--global-batch`` is not given, the scaled rate); a setting the checkpoint
-    does not record (an older gradsync) is not compared.
+def run_settings(config: TrainConfig, global_batch: int, lr: float) -> dict[str, Any]:
+    """Every setting that changes a run's results, as the run resolved it (its global batch
+    and scaled learning rate): recorded with its checkpoints and summary, and what a resume
+    must match (:func:`meta_differences`). Of the strategy options, those that change what
+    is computed (``changes_results``); a server count or a bucket size may change, as
+    ``--threads`` may (it moves rounding, not the arithmetic).
 
     Example:
-        >>> meta = {"model": "mnist-cnn", "preset": "tiny", "workers": 2, "global_batch": 8}
-        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", preset="tiny", workers=4))
-        ['workers 2, not 4']
-        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", preset="tiny", workers=2,
-        ...                                    global_batch=16))
-        ['global_batch 8, not 16']
+        >>> settings = run_settings(TrainConfig(strategy="ps"), global_batch=8, lr=0.1)
+        >>> settings["global_batch"], settings["strategy_options"]
+        (8, {'async_updates': False, 'staleness': None})
     """
-    from gradsync.models import workload_of
-
-    preset_batch = workload_of(config).global_batch
-    global_batch = config.global_batch or preset_batch
-    mine = {
+    return {
         "model": config.model,
         "preset": config.preset,
         "model_options": config.model_options,
@@ -141,7 +117,7 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
         "seed": config.seed,
         "global_batch": global_batch,
         "optimizer": config.optim.name,
-        "lr": effective_lr(config.optim, global_batch, preset_batch),
+        "lr": lr,
         "momentum": config.optim.momentum,
         "weight_decay": config.optim.weight_decay,
         "lr_warmup_steps": config.optim.lr_warmup_steps,
@@ -149,12 +125,44 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
         "dtype": config.dtype,
         "batchnorm": config.batchnorm,
         "data": config.data,
+        "strategy_options": config.strategy_options.result_changing(),
     }
-    return [
-        f"{key} {meta[key]}, not {mine[key]}"
-        for key in MUST_MATCH
-        if key in meta and meta[key] != mine[key]
+
+
+def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
+    """``setting X, not Y`` for every :func:`run_settings` entry the run and ``config``
+    differ in; a strategy option is named by its flag. A setting the checkpoint does not
+    record (an older gradsync) is not compared.
+
+    Example:
+        >>> meta = {"model": "mnist-cnn", "preset": "tiny", "workers": 2, "global_batch": 8}
+        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", preset="tiny", workers=4))
+        ['workers 2, not 4']
+        >>> meta_differences(meta, TrainConfig(model="mnist-cnn", preset="tiny", workers=2,
+        ...                                    global_batch=16))
+        ['global_batch 8, not 16']
+        >>> meta = {"strategy_options": {"async_updates": False, "staleness": None}}
+        >>> asynchronous = TrainConfig(strategy="ps", strategy_options={"async_updates": True})
+        >>> meta_differences(meta, asynchronous)
+        ['--async False, not True']
+    """
+    from gradsync.models import workload_of
+
+    preset_batch = workload_of(config).global_batch
+    global_batch = config.global_batch or preset_batch
+    lr = effective_lr(config.optim, global_batch, preset_batch)
+    mine = run_settings(config, global_batch, lr)
+    differences = [
+        f"{key} {meta[key]}, not {value}"
+        for key, value in mine.items()
+        if key != "strategy_options" and key in meta and meta[key] != value
     ]
+    flags = {item.name: flag_of(item) for item in dataclasses.fields(config.strategy_options)}
+    theirs = meta.get("strategy_options", {})
+    for name, value in mine["strategy_options"].items():
+        if name in theirs and theirs[name] != value:
+            differences.append(f"{flags[name]} {theirs[name]}, not {value}")
+    return differences
 
 
 def rng_tensors(
@@ -207,4 +215,5 @@ __all__ = [
     "restore",
     "resumable",
     "rng_tensors",
+    "run_settings",
 ]

@@ -36,7 +36,7 @@ from gradsync.optim import Updater, effective_lr
 from gradsync.probe import missing_on_any_worker, params_without_gradient
 from gradsync.progress import StepProgress
 from gradsync.rendezvous import RankInfo, finish_process, join_process_group
-from gradsync.resume import checkpoint_step, restore, rng_tensors
+from gradsync.resume import checkpoint_step, restore, rng_tensors, run_settings
 from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
@@ -187,25 +187,7 @@ def _set_batchnorm_mode(
 
 def _run_meta(config: TrainConfig, global_batch: int, lr: float, threads: int) -> dict[str, Any]:
     """The settings recorded with every checkpoint and in the summary."""
-    return {
-        "model": config.model,
-        "preset": config.preset,
-        "model_options": config.model_options,
-        "strategy": config.strategy,
-        "workers": config.workers,
-        "seed": config.seed,
-        "global_batch": global_batch,
-        "optimizer": config.optim.name,
-        "lr": lr,
-        "momentum": config.optim.momentum,
-        "weight_decay": config.optim.weight_decay,
-        "lr_warmup_steps": config.optim.lr_warmup_steps,
-        "deterministic": config.deterministic,
-        "dtype": config.dtype,
-        "batchnorm": config.batchnorm,
-        "data": config.data,
-        "threads": threads,
-    }
+    return {**run_settings(config, global_batch, lr), "threads": threads}
 
 
 def _train_with_metrics(run: _WorkerRun, strategy: Strategy) -> None:

@@ -31,7 +31,7 @@ EXIT_OK = 0
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Add ``gradsync profile`` and ``gradsync predict`` to the subcommands."""
-    from gradsync.cli import _key_value
+    from gradsync.cli import _key_value, _path
     from gradsync.cli import _positive_int as _positive
 
     profile = commands.add_parser(
@@ -80,7 +80,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     profile.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     profile.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    profile.add_argument("--out", required=True, metavar="PROFILE.json")
+    profile.add_argument("--out", type=_path, required=True, metavar="PROFILE.json")
     profile.add_argument(
         "--overwrite", action="store_true", help="replace an existing profile file"
     )
@@ -169,7 +169,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "command line wins); a missing profile is measured first from its model, preset and "
         "batch keys",
     )
-    predict.add_argument("--out", help="results folder (default: runs/predict-<time>)")
+    predict.add_argument("--out", type=_path, help="results folder (default: runs/predict-<time>)")
     predict.add_argument(
         "--overwrite",
         action="store_true",

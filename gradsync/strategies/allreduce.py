@@ -42,7 +42,9 @@ class FusionOptions(StrategyOptions):
         metavar="MB",
         at_least=0,
     )
-    fp16_compression: bool = option(False, help="allreduce gradients as float16")
+    fp16_compression: bool = option(
+        False, help="allreduce gradients as float16", changes_results=True
+    )
 
     @property
     def first_bucket_bytes(self) -> int | None:
@@ -57,6 +59,7 @@ class AllreduceOptions(FusionOptions):
         False,
         help="densify sparse gradients into the fusion buffers (Horovod's sparse_as_dense) "
         "instead of allgathering the rows each worker touched",
+        changes_results=True,
     )
 
 

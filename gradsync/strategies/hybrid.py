@@ -101,7 +101,9 @@ class HybridOptions(ServerOptions, FusionOptions):
         at_least=1,
     )
     average_sparse: bool = option(
-        True, help="average the workers' sparse gradients (off: sum them, as Parallax can)"
+        True,
+        help="average the workers' sparse gradients (off: sum them, as Parallax can)",
+        changes_results=True,
     )
     local_aggregation: bool = option(True, help="sum sparse gradients inside a node first")
     sparse_patterns: tuple[str, ...] = option(
@@ -109,12 +111,14 @@ class HybridOptions(ServerOptions, FusionOptions):
         help="treat matching variables as sparse (repeatable)",
         flag="--sparse-pattern",
         metavar="GLOB",
+        changes_results=True,
     )
     dense_patterns: tuple[str, ...] = option(
         (),
         help="treat matching variables as dense (repeatable)",
         flag="--dense-pattern",
         metavar="GLOB",
+        changes_results=True,
     )
 
     def check(self, workers: int) -> None:

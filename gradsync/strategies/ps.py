@@ -66,7 +66,10 @@ class PSOptions(ServerOptions):
     """
 
     async_updates: bool = option(
-        False, help="apply each push on arrival (TF 1.x asynchronous training)", flag="--async"
+        False,
+        help="apply each push on arrival (TF 1.x asynchronous training)",
+        flag="--async",
+        changes_results=True,
     )
     staleness: int | None = option(
         None,
@@ -74,6 +77,7 @@ class PSOptions(ServerOptions):
         metavar="K",
         at_least=1,
         none_means="no bound (synchronous unless --async)",
+        changes_results=True,
     )
     placement: str = option(
         "greedy", help="greedy (size-balanced) or round-robin", choices=tuple(POLICIES)

@@ -68,6 +68,10 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["train", "--slice-size", "0"], "--slice-size must be >= 1, got 0"),
         (["train", "--placement", "random"], "choose one of: greedy, round-robin"),
         (["train", "--warmup-steps", "3"], "--warmup-steps"),
+        # an empty --out silently meant a timestamped folder (session 23's probe)
+        (["train", "--out", ""], "--out: '' names no path"),
+        (["bench", "x.toml", "--out", " "], "--out: ' ' names no path"),
+        (["predict", "--out", ""], "--out: '' names no path"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(capsys, argv, mentions):
@@ -367,3 +371,11 @@ def test_resume_with_overwrite_is_refused(capsys, no_launcher, tmp_path):
     assert main(["train", "--resume", str(run), "--overwrite"]) == EXIT_USER_ERROR
     assert "drop one of them" in _one_line_error(capsys)
     assert [p.name for p in run.iterdir()] == ["config.json"]
+
+
+def test_momentum_with_adam_is_refused_not_ignored(capsys, no_launcher, tmp_path):
+    """Adam would train without it: a user comparing momenta got the same run twice."""
+    argv = ["train", "--optimizer", "adam", "--momentum", "0.5", "--out", str(tmp_path / "r")]
+    assert main(argv) == EXIT_USER_ERROR
+    assert "--momentum 0.5 is SGD's; adam keeps its own moments" in _one_line_error(capsys)
+    assert not (tmp_path / "r").exists()

@@ -351,6 +351,41 @@ def test_resume_names_a_setting_that_differs_and_refuses_a_strategy_it_cannot_re
         check_resume(TrainConfig(strategy="ps", workers=2), tmp_path)
 
 
+# One option per strategy that changes what is computed, and its flag.
+_OPTION_CHANGES = {
+    "allreduce": ({"fp16_compression": True}, "--fp16-compression"),
+    "ps": ({"async_updates": True}, "--async"),
+    "hybrid": ({"average_sparse": False}, "--average-sparse"),
+}
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp", "p3", *_OPTION_CHANGES])
+def test_resume_compares_strategy_options_as_the_checkpoint_kept_them(strategy: str) -> None:
+    """Before session 24 a resume with other strategy options (fp16 compression,
+    asynchronous updates, averaged sparse rows...) mixed two runs' results without a word.
+    The options go through JSON as in the checkpoint's sidecar (hybrid's tuples come back
+    as lists) and still compare equal; a server count or slice size may change."""
+    from gradsync.models import workload_of
+    from gradsync.optim import effective_lr
+    from gradsync.resume import run_settings
+
+    config = TrainConfig(model="lstm-lm", preset="tiny", strategy=strategy, workers=2)
+    batch = workload_of(config).global_batch
+    settings = run_settings(config, batch, effective_lr(config.optim, batch, batch))
+    kept = json.loads(json.dumps(settings))
+    assert meta_differences(kept, config) == []
+    if strategy in _OPTION_CHANGES:
+        change, flag = _OPTION_CHANGES[strategy]
+        ((name, value),) = change.items()
+        other = config.replace(strategy_options=change)
+        assert meta_differences(kept, other) == [
+            f"{flag} {kept['strategy_options'][name]}, not {value}"
+        ]
+    layout = {"p3": {"slice_size": 1000, "servers": 2}, "ddp": {"bucket_cap_mb": 1.0}}
+    if strategy in layout:
+        assert meta_differences(kept, config.replace(strategy_options=layout[strategy])) == []
+
+
 def test_a_loss_that_is_not_finite_names_the_step() -> None:
     check_loss(torch.tensor(2.5), 3, 0)
     with pytest.raises(LossNotFinite, match="loss is inf at step 9 on rank 1"):
@@ -456,3 +491,22 @@ def test_a_malformed_trace_is_one_line_and_writes_nothing(
     argv = ["timeline", "summarize", str(trace), *(["--step", str(step)] if step else [])]
     assert main(argv) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # no summary written
+
+
+def test_train_refuses_emulated_hosts_its_ranks_would_leave_empty() -> None:
+    """`train --hosts 3 --workers 2` ran on 2 hosts without a word (session 23's probe)."""
+    from gradsync.config import LaunchConfig
+    from gradsync.jobs import check_every_host_used
+
+    def job(
+        workers: int, hosts: int, per_host: int | None = None, **options: object
+    ) -> TrainConfig:
+        launch = LaunchConfig(hosts=hosts, ranks_per_host=per_host)
+        return TrainConfig(strategy="ps", workers=workers, launch=launch, strategy_options=options)
+
+    check_every_host_used(job(2, 2))
+    check_every_host_used(job(2, 3, servers=1))  # the server rank fills the third host
+    with pytest.raises(UserError, match=r"--hosts 3, but the job's 3 rank\(s\) fill only 2"):
+        check_every_host_used(job(2, 3, per_host=2, servers=1))
+    with pytest.raises(UserError, match="pass --hosts 2, or more --workers"):
+        check_every_host_used(job(1, 3, servers=1))
