@@ -68,7 +68,8 @@ def diff_checkpoints(
         if ref[name].shape != oth[name].shape:
             raise UserError(
                 f"tensor {name} has shape {tuple(oth[name].shape)} in {other.path} "
-                f"but {tuple(ref[name].shape)} in {reference.path}"
+                f"but {tuple(ref[name].shape)} in {reference.path}; compare checkpoints "
+                "written with the same model options"
             )
         diffs.append(tensor_diff(name, ref[name], oth[name]))
     return diffs

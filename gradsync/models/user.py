@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,24 @@ def is_user_model(name: str) -> bool:
     return ":" in name
 
 
+def _describe(error: BaseException) -> str:
+    """An import error as a reader wants it: the kind, where (file:line), the message.
+
+    Example:
+        >>> try:
+        ...     compile("def build(:", "model.py", "exec")
+        ... except SyntaxError as error:
+        ...     print(_describe(error))
+        SyntaxError at model.py:1 (column 11): invalid syntax
+    """
+    if isinstance(error, SyntaxError):
+        column = f" (column {error.offset})" if error.offset else ""
+        return f"{type(error).__name__} at {error.filename}:{error.lineno}{column}: {error.msg}"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(error).__name__}{where}: {error}"
+
+
 def _load_function(name: str) -> Callable[..., Any]:
     location, _, function_name = name.rpartition(":")
     if location.endswith(".py"):
@@ -53,7 +72,9 @@ def _load_function(name: str) -> Callable[..., Any]:
                 "a model file defines a build function and returns"
             ) from None
         except Exception as error:
-            raise UserError(f"user model file {path} failed to import: {error!r}") from None
+            raise UserError(
+                f"user model file {path} failed to import: {_describe(error)}; fix it and rerun"
+            ) from None
     else:
         try:
             module = importlib.import_module(location)
@@ -62,7 +83,9 @@ def _load_function(name: str) -> Callable[..., Any]:
                 f"user model module '{location}' called sys.exit({error.code!r}) on import"
             ) from None
         except Exception as error:
-            raise UserError(f"cannot import user model module '{location}': {error!r}") from None
+            raise UserError(
+                f"cannot import user model module '{location}': {_describe(error)}"
+            ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise UserError(

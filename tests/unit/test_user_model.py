@@ -248,8 +248,8 @@ def test_missing_file_is_a_user_error(tmp_path):
 @pytest.mark.parametrize(
     ("body", "shown"),
     [
-        ("raise RuntimeError('no GPU here')\n", "RuntimeError('no GPU here')"),
-        ("def build(:\n", "SyntaxError"),
+        ("raise RuntimeError('no GPU here')\n", "RuntimeError at {path}:1: no GPU here"),
+        ("def build(:\n", "SyntaxError at {path}:1 (column 11): invalid syntax"),
         ("import a_module_that_does_not_exist_4711\n", "a_module_that_does_not_exist_4711"),
     ],
 )
@@ -257,7 +257,8 @@ def test_file_that_fails_to_import_is_a_user_error(tmp_path, body, shown):
     path = _write(tmp_path, "broken.py", body)
     with pytest.raises(UserError, match="failed to import") as raised:
         build_user_workload(f"{path}:build", BuildRequest())
-    assert shown in str(raised.value) and str(path) in str(raised.value)
+    assert shown.format(path=path) in str(raised.value)
+    assert str(raised.value).endswith("; fix it and rerun")
 
 
 @pytest.mark.parametrize("function", ["nope", "NOT_A_FUNCTION", ""])
