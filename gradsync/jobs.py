@@ -14,7 +14,7 @@ from gradsync.devices import resolve as resolve_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.launch import launch_local
 from gradsync.metrics import load_summary
-from gradsync.models import build_workload, check_model
+from gradsync.models import check_model, shared_workloads, workload_of
 from gradsync.models.user import check_user_step, is_user_model
 from gradsync.netem import place_ranks
 from gradsync.resume import check_resume, checkpoint_step, resumable
@@ -33,6 +33,11 @@ def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True)
     cannot count its node's ranks (the rendezvous checks their GPUs). ``local`` False: the
     job's ranks start elsewhere (srun), so this machine's cores do not bound them.
     """
+    with shared_workloads():  # one build for every check below
+        _validate(config, one_rank=one_rank, local=local)
+
+
+def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
     check_model(config.model, config.preset, config.model_options)
     check_strategy(config)
     if local and not one_rank:
@@ -46,14 +51,7 @@ def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True)
         return  # the batch is checked after the rendezvous, which first checks the world size
     # Built here (milliseconds for the zoo) so that bad data and a batch the workers cannot
     # share are refused before the run folder is claimed, not by the ranks after launch.
-    workload = build_workload(
-        config.model,
-        preset=config.preset,
-        seed=config.seed,
-        data=config.data,
-        dropout=not config.deterministic,
-        options=config.model_options,
-    )
+    workload = workload_of(config)
     if is_user_model(config.model):
         check_user_step(config.model, workload)
     if not one_rank and config.global_batch is None and workload.global_batch % config.workers:
@@ -161,9 +159,10 @@ def run_job(
         >>> # summary = run_job(TrainConfig(model="mnist-cnn", preset="tiny", workers=2, steps=5))
         >>> # summary["throughput"]["median"]
     """
-    validate(config)
-    if overwrite is not None:
-        prepare_out(config, overwrite=overwrite)
+    with shared_workloads():  # validation and a resume's settings read one build
+        validate(config)
+        if overwrite is not None:
+            prepare_out(config, overwrite=overwrite)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     restarts = 0

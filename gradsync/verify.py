@@ -44,6 +44,7 @@ from gradsync.errors import JobFailed, UserError
 from gradsync.files import atomic_write_text
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
+from gradsync.models import shared_workloads
 from gradsync.options import field_names, parse_texts
 from gradsync.runtime import CHECKPOINT_FILE
 from gradsync.stats import Throughput
@@ -124,8 +125,9 @@ def run_matrix(
     cells = _cells(strategies, workers)
     configs = _cell_configs(base, cells, out, given)
     labels = {config.out: spec for config, (spec, _) in zip(configs, cells, strict=True)}
-    for config in configs:
-        validate(config)  # every cell is checked before the first one runs
+    with shared_workloads():  # the model built once for every cell's checks
+        for config in configs:
+            validate(config)  # every cell is checked before the first one runs
     if log:
         print("running single twice (default threads, then other threads) ...", flush=True)
     try:

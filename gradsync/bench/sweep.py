@@ -40,6 +40,7 @@ from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
+from gradsync.models import shared_workloads
 from gradsync.rundir import claim_resumable_dir
 
 RESULTS_FILE = "results.jsonl"
@@ -204,9 +205,10 @@ def run_sweep(
     configs = {cell.id: cell_config(experiment, cell, out, timeline=timeline) for cell in cells}
     if launcher == "local":  # under srun each cell's ranks agree in their rendezvous
         configs = dict(zip(configs, on_one_device(list(configs.values())), strict=True))
-    for config in configs.values():
-        validate(config, local=launcher == "local")  # a bad matrix fails before any job
-    check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
+    with shared_workloads():  # each model built once for all its cells' checks
+        for config in configs.values():
+            validate(config, local=launcher == "local")  # a bad matrix fails before any job
+        check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
     claim_results_dir(out, experiment, overwrite=overwrite)
     todo, done = _cells_to_run(cells, configs, out)
     if done or len(todo) < len(cells):

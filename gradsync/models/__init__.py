@@ -9,7 +9,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gradsync.errors import UserError
@@ -91,23 +92,60 @@ def build_workload(
     return model_spec(name).build(request)
 
 
+# The workloads of the checks in progress (see shared_workloads), by what builds them.
+_shared: dict[tuple[object, ...], Workload] | None = None
+
+
+@contextlib.contextmanager
+def shared_workloads() -> Iterator[None]:
+    """Within this block :func:`workload_of` builds each distinct workload once and hands
+    the same one to every check: the launcher's validation, the strategies' ``check_config``
+    and a resume's settings read it, none trains it. It is dropped at the end, so no model
+    outlives the checks (a launcher would otherwise hold a vgg16 through a whole sweep).
+
+    Example:
+        >>> from gradsync.config import TrainConfig
+        >>> config = TrainConfig(model="mnist-cnn", preset="tiny")
+        >>> with shared_workloads():
+        ...     workload_of(config) is workload_of(config)
+        True
+        >>> workload_of(config) is workload_of(config)
+        False
+    """
+    global _shared
+    outer = _shared
+    _shared = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
 def workload_of(config: TrainConfig, *, dropout: bool = False) -> Workload:
     """The workload a run's config names (model, preset, seed, data, options); dropout off
-    unless asked, as the launcher's checks want it.
+    unless asked, as the launcher's checks want it. Inside :func:`shared_workloads`, one
+    build per distinct workload.
 
     Example:
         >>> from gradsync.config import TrainConfig
         >>> workload_of(TrainConfig(model="mnist-cnn", preset="tiny")).global_batch
         8
     """
-    return build_workload(
+    options = config.model_options
+    key = (config.model, config.preset, config.seed, config.data, dropout, *sorted(options.items()))
+    if _shared is not None and key in _shared:
+        return _shared[key]
+    workload = build_workload(
         config.model,
         preset=config.preset,
         seed=config.seed,
         data=config.data,
         dropout=dropout,
-        options=config.model_options,
+        options=options,
     )
+    if _shared is not None:
+        _shared[key] = workload
+    return workload
 
 
 __all__ = [
@@ -119,5 +157,6 @@ __all__ = [
     "build_workload",
     "check_model",
     "model_spec",
+    "shared_workloads",
     "workload_of",
 ]

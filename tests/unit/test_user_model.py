@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradsync.config import TrainConfig
 from gradsync.data.base import Batch
 from gradsync.errors import UserError
 from gradsync.models import build_workload, check_model
@@ -320,3 +321,37 @@ def test_a_user_build_function_that_fails_is_one_line(
     with pytest.raises(UserError, match=words) as refused:
         build_workload(f"{tmp_path}/net.py:build")
     assert len(str(refused.value).splitlines()) == 1
+
+
+COUNTED_MODEL = """
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+
+    def loss(output, targets):
+        return nn.functional.cross_entropy(output, targets)
+
+    def build(seed):
+        with open(Path(__file__).with_suffix(".builds"), "a") as builds:
+            builds.write("built\\n")
+        items = [(torch.randn(4), torch.tensor(i % 3)) for i in range(16)]
+        return nn.Linear(4, 3), items, loss
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ps", "p3", "hybrid"])
+def test_the_checks_before_launch_build_a_user_model_once(tmp_path, strategy):
+    """validate, the strategy's check_config and a resume's settings each built the model
+    (up to three builds of a user's file before session 24; a verify sweep, more)."""
+    from gradsync.jobs import validate
+    from gradsync.models import shared_workloads
+    from gradsync.resume import meta_differences
+
+    path = _write(tmp_path, "counted.py", COUNTED_MODEL)
+    config = TrainConfig(model=f"{path}:build", strategy=strategy, workers=2, global_batch=8)
+    with shared_workloads():
+        validate(config)
+        validate(config.replace(workers=4))  # verify's cells: the same model
+        assert meta_differences({"workers": 2}, config) == []
+    assert path.with_suffix(".builds").read_text().count("built") == 1
