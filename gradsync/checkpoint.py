@@ -179,6 +179,11 @@ def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"checkpoint metadata of {path} is corrupt ({error}); rerun the job that wrote it"
         ) from None
+    if not isinstance(meta, dict):
+        raise UserError(
+            f"checkpoint metadata of {path} is JSON but not an object ({type(meta).__name__}); "
+            "it was not written by gradsync: rerun the job that wrote it"
+        )
     if header:
         _warn_if_stale(sidecar, meta)
     return meta

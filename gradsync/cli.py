@@ -583,7 +583,14 @@ def _milliseconds_list(text: str, flag: str) -> tuple[float, ...]:
 
 
 def cmd_commbench(args: argparse.Namespace) -> int:
-    from gradsync.commbench import CommbenchConfig, parse_size, report, run_commbench, sizes_from
+    from gradsync.commbench import (
+        CommbenchConfig,
+        check_memory,
+        parse_size,
+        report,
+        run_commbench,
+        sizes_from,
+    )
     from gradsync.config import LaunchConfig
     from gradsync.rundir import claim_run_dir
 
@@ -609,6 +616,7 @@ def cmd_commbench(args: argparse.Namespace) -> int:
             bandwidth=args.bandwidth,
         ),
     )
+    check_memory(config)  # before the folder: --overwrite must not clear it for nothing
     claim_run_dir(Path(config.out), overwrite=args.overwrite)
     payload = run_commbench(config)
     report(payload, Path(config.out))

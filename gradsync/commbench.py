@@ -148,6 +148,9 @@ class CommbenchConfig:
     def __post_init__(self) -> None:
         if self.workers < 2:
             raise UserError(f"commbench needs --workers ≥ 2, got {self.workers}")
+        repeated = sorted({op for op in self.ops if self.ops.count(op) > 1})
+        if repeated:
+            raise UserError(f"--ops lists {', '.join(repeated)} more than once; name each once")
         unknown = [op for op in self.ops if op not in OPS]
         if unknown or not self.ops:
             raise UserError(
@@ -438,6 +441,44 @@ def python_threads_cpu_s(*, include_current: bool = True) -> float:
 
 
 # -- the whole job ----------------------------------------------------------------------------
+
+
+# Buffers a rank holds for one operation, in message sizes: an exchange's two, an
+# allgather's input and output, and Gloo's own staging.
+BUFFERS_PER_RANK = 3
+
+
+def check_memory(config: CommbenchConfig, available: int | None = None) -> None:
+    """UserError when the largest message cannot be held by every rank at once (read
+    before launch, so a size beyond this machine's memory is one line, not every rank's
+    allocator traceback). ``available``: bytes (default: the kernel's MemAvailable).
+
+    Example:
+        >>> check_memory(CommbenchConfig(workers=2, sizes=(1 << 20,)), available=1 << 30)
+        >>> check_memory(CommbenchConfig(workers=2, sizes=(1 << 30,)), available=1 << 30)
+        Traceback (most recent call last):
+        gradsync.errors.UserError: messages of up to 1.0 GiB need about 6.0 GiB ...
+    """
+    available = _available_memory() if available is None else available
+    largest = max(config.sizes)
+    needed = BUFFERS_PER_RANK * largest * config.workers
+    if available is not None and needed > available:
+        raise UserError(
+            f"messages of up to {largest / 2**30:.1f} GiB need about {needed / 2**30:.1f} GiB "
+            f"({BUFFERS_PER_RANK} buffers on each of {config.workers} ranks), and this machine "
+            f"has {available / 2**30:.1f} GiB available; pass smaller --sizes or --max-bytes"
+        )
+
+
+def _available_memory() -> int | None:
+    """The kernel's MemAvailable in bytes; None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def run_commbench(config: CommbenchConfig, *, quiet: bool = False) -> dict[str, Any]:

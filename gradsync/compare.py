@@ -57,6 +57,12 @@ def diff_checkpoints(
     oth = other.state() if include_optimizer else other.parameters()
     ref_keys = {k for k in ref if not k.startswith("optim/")}
     oth_keys = {k for k in oth if not k.startswith("optim/")}
+    for checkpoint, keys in ((reference, ref_keys), (other, oth_keys)):
+        if not keys:  # two foreign files would compare "within tolerance" on nothing
+            raise UserError(
+                f"{checkpoint.path} holds no model parameters (param/… or buffer/… tensors); "
+                "compare checkpoints written by gradsync train or verify"
+            )
     if ref_keys != oth_keys:
         missing = sorted(ref_keys ^ oth_keys)[:3]
         raise UserError(

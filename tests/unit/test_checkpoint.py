@@ -362,6 +362,23 @@ def test_different_shapes_are_a_user_error():
         diff_checkpoints(ref, other)
 
 
+def test_files_without_model_parameters_are_not_within_tolerance(tmp_path):
+    """Two foreign safetensors files ({'w': zeros} and {'w': ones}) compared "within
+    tolerance" on no tensors at all (session 24's probe)."""
+    from safetensors.torch import save_file
+
+    ref = _ckpt({"param/w": torch.ones(2)})
+    foreign = _ckpt({"w": torch.zeros(2)}, "foreign.safetensors")
+    with pytest.raises(UserError, match="foreign.safetensors holds no model parameters"):
+        diff_checkpoints(ref, foreign)
+    with pytest.raises(UserError, match="holds no model parameters"):
+        diff_checkpoints(foreign, ref)
+    # metadata that is JSON but not an object: one line, not an AttributeError
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "list.safetensors"), {"gradsync": "[1, 2]"})
+    with pytest.raises(UserError, match="JSON but not an object"):
+        load_checkpoint(tmp_path / "list.safetensors")
+
+
 def test_compare_two_saved_checkpoints(tmp_path):
     model, optimizer = _trained("sgd")
     save_checkpoint(tmp_path / "a.safetensors", model_state(model, optimizer), META)

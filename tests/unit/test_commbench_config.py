@@ -18,3 +18,21 @@ def test_busy_intervals_survive_the_job_file() -> None:
 def test_busy_intervals_must_be_milliseconds_below_a_second(busy_ms: tuple[float, ...]) -> None:
     with pytest.raises(UserError, match="--busy-ms"):
         CommbenchConfig(workers=2, busy_ms=busy_ms)
+
+
+def test_an_operation_named_twice_is_refused() -> None:
+    with pytest.raises(UserError, match="--ops lists allreduce more than once"):
+        CommbenchConfig(ops=("allreduce", "p2p", "allreduce"))
+
+
+def test_sizes_beyond_memory_are_refused_before_the_folder_is_claimed(tmp_path) -> None:
+    """`commbench --sizes 64G --overwrite` cleared the previous results, then every rank
+    died in its allocator (session 24's probe)."""
+    from gradsync.cli import main
+
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "commbench.json").write_text("{}")  # a previous run's results
+    argv = ["commbench", "--sizes", "1048576G", "--ops", "p2p", "--out", str(out), "--overwrite"]
+    assert main(argv) == 2
+    assert (out / "commbench.json").read_text() == "{}"
