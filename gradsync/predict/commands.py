@@ -303,12 +303,15 @@ def _experiment_options(keys: TomlKeys) -> dict[str, Any]:
     return options
 
 
-def _missing_profiles(profiles: dict[str, str], preset: str, path: Path) -> dict[str, Path]:
+def _missing_profiles(keys: TomlKeys, profiles: dict[str, str], preset: str) -> dict[str, Path]:
     """The experiment's profiles still to measure (of models gradsync has, at ``preset``),
-    by model; a model that is no plain name (its results go to a folder of that name) or a
-    profile that does not load is a UserError."""
+    by model; a model that is no plain name (its results go to a folder of that name), a
+    profile that does not load or one of another model, preset or batch than the file
+    names is a UserError."""
     from gradsync.models import check_model
     from gradsync.predict.profile import Profile
+
+    path = keys.path
 
     missing = {}
     for model, profile in profiles.items():
@@ -318,7 +321,7 @@ def _missing_profiles(profiles: dict[str, str], preset: str, path: Path) -> dict
                 f'to a folder of that name under out); write e.g. vgg16 = "{profile}"'
             )
         if Path(profile).is_file():
-            Profile.load(profile)
+            _check_profile_matches(keys, model, profile, Profile.load(profile))
         elif Path(profile).exists():  # refused before out is claimed: nothing left behind
             raise UserError(
                 f"{path}: profiles.{model} = {profile!r} is a folder, not a profile file; "
@@ -328,6 +331,24 @@ def _missing_profiles(profiles: dict[str, str], preset: str, path: Path) -> dict
             check_model(model, preset)
             missing[model] = Path(profile)
     return missing
+
+
+def _check_profile_matches(keys: TomlKeys, model: str, file: str, profile: Profile) -> None:
+    """UserError when a profile measured another model than its key (a model gradsync
+    has), or another preset or batch than the experiment file names: its predictions
+    would be filed under the wrong name."""
+    from gradsync.models import REGISTRY
+
+    wanted = {"preset": keys.raw.get("preset"), "batch": keys.raw.get("batch")}
+    wanted["model"] = model if model in REGISTRY else None
+    for field_name, value in wanted.items():
+        measured = getattr(profile, field_name)
+        if value is not None and measured != value:
+            raise UserError(
+                f"{keys.path}: profiles.{model} = {file!r} was measured with {field_name} "
+                f"{measured}, not {value}; point it at a profile of {model} with that "
+                "setting, or remove the file so that it is measured"
+            )
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
@@ -352,7 +373,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
     batch = keys.count("batch", None)
     out = Path(args.out or keys.text("out", f"results/{path.stem}", example='"results/x"'))
     options = _predict_options(args)
-    missing = _missing_profiles(profiles, preset, path)
+    missing = _missing_profiles(keys, profiles, preset)
     inputs = [path, *profiles.values(), *_calibration_of(args)]
     claim_run_dir(out, overwrite=args.overwrite, inputs=inputs)
     for model, profile in missing.items():  # after the claim: it may lie under out

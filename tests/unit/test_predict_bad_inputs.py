@@ -235,6 +235,24 @@ def test_an_experiment_profile_path_must_be_writable_as_a_file(
         assert not (tmp_path / "exp").exists()
 
 
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ('profiles = { vgg16 = "PROFILE" }', "measured with model hand-made, not vgg16"),
+        ('preset = "default"', "measured with preset none, not default"),
+        ("batch = 64", "measured with batch 10, not 64"),
+    ],
+)
+def test_an_experiment_profile_of_another_model_preset_or_batch_is_refused(
+    line: str, words: str, profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mnist-cnn profile under the key vgg16 was predicted and filed as vgg16 (session
+    24's probe); a profile under a key that names no zoo model (here: hand) is the user's."""
+    path = experiment_file(tmp_path, profile_file, line.replace("PROFILE", str(profile_file)))
+    refused(["predict", "--experiment", str(path)], capsys, words)
+    assert not (tmp_path / "exp").exists()
+
+
 def test_a_flag_given_beside_an_experiment_wins_over_its_key(
     profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
