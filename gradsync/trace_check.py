@@ -8,11 +8,13 @@ summary or chart is written; so is a ``--step`` the trace does not record.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from gradsync.errors import UserError
+from gradsync.rundir import check_writable
 from gradsync.trace import Phase
 
 SPAN_PHASES = ("B", "E", "X")
@@ -37,16 +39,20 @@ def check_events(path: Path, events: list[Any]) -> list[int]:
     for index, event in enumerate(events):
         if not isinstance(event, dict) or event.get("ph") not in (*SPAN_PHASES, "M", "i", "C"):
             raise UserError(f"{path}: event {index} is not a trace event ({event!r:.60}); {_FIX}")
+        if event["ph"] == "M":
+            _check_metadata(path, index, event)
         if event["ph"] not in SPAN_PHASES:
             continue
         for key in ("pid", "tid", "ts"):
-            if not isinstance(event.get(key), int | float) or isinstance(event.get(key), bool):
+            if not _finite_number(event.get(key)):
                 raise UserError(
                     f"{path}: event {index} ({event['ph']} {event.get('name', '?')}) has no "
-                    f"numeric {key}; {_FIX}"
+                    f"finite numeric {key}; {_FIX}"
                 )
         track = (event["pid"], event["tid"])
         where = f"{event['ph']} on pid {track[0]}, tid {track[1]}"
+        if event["ph"] != "E" and not isinstance(event.get("name"), str):
+            raise UserError(f"{path}: event {index} ({where}) has no name; {_FIX}")
         if event["ph"] == "B":
             open_spans[track].append((index, event))
         elif event["ph"] == "E":
@@ -54,9 +60,14 @@ def check_events(path: Path, events: list[Any]) -> list[int]:
                 raise UserError(
                     f"{path}: event {index} ({where}) ends a span that never began; {_FIX}"
                 )
-            _, begin = open_spans[track].pop()
-            if begin.get("name") == Phase.STEP and track[1] == 0:
-                steps.add(int(begin.get("args", {}).get("step", -1)))
+            begun, begin = open_spans[track].pop()
+            if event["ts"] < begin["ts"]:
+                raise UserError(
+                    f"{path}: event {index} ({where}) ends the span of event {begun} "
+                    f"({begin['name']}) before it began (ts {event['ts']} < {begin['ts']}); {_FIX}"
+                )
+            if begin["name"] == Phase.STEP and track[1] == 0:
+                steps.add(_step_number(path, begun, begin))
     for track, unclosed in open_spans.items():
         if unclosed:
             index, event = unclosed[-1]
@@ -67,6 +78,29 @@ def check_events(path: Path, events: list[Any]) -> list[int]:
     return sorted(steps)
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_metadata(path: Path, index: int, event: dict[str, Any]) -> None:
+    """A metadata event names a process or thread: ``name`` and ``args.name`` are text."""
+    args = event.get("args")
+    if not isinstance(event.get("name"), str) or not isinstance(args, dict):
+        raise UserError(f"{path}: event {index} (M) has no name or no args object; {_FIX}")
+
+
+def _step_number(path: Path, index: int, begin: dict[str, Any]) -> int:
+    """The step a STEP span records (its ``args.step``, a whole number)."""
+    args = begin.get("args")
+    number = args.get("step") if isinstance(args, dict) else None
+    if not isinstance(number, int) or isinstance(number, bool):
+        raise UserError(
+            f"{path}: event {index} (B STEP) has no whole-number args.step (got {args!r:.40}); "
+            f"{_FIX}"
+        )
+    return number
+
+
 def check_trace(path: Path, step: int | None = None) -> None:
     """Check ``path`` (and that it records ``step``, when given) before summarizing it.
 
@@ -75,9 +109,13 @@ def check_trace(path: Path, step: int | None = None) -> None:
     """
     from gradsync.timeline_summary import load_trace
 
-    steps = check_events(path, load_trace(path)["traceEvents"])
+    trace = load_trace(path)
+    if not isinstance(trace.get("otherData", {}), dict):
+        raise UserError(f"{path}: otherData is not an object; {_FIX}")
+    steps = check_events(path, trace["traceEvents"])
     if not steps:
         raise UserError(f"{path} records no steps; widen --timeline-steps")
+    check_writable(path.parent, flag=f"the folder of {path}")
     for suffix in (".summary.json", ".gantt.png"):  # what summarizing writes beside it
         output = path.with_name(path.stem + suffix)
         if output.is_dir():

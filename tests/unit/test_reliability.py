@@ -4,6 +4,7 @@ checkpoint metadata, resume checks, a loss that is not finite."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -473,8 +474,15 @@ def _step_events(step: int) -> list[dict]:
     [
         ([{"ph": "E", "pid": 0, "tid": 0, "ts": 1}], None, "ends a span that never began"),
         ([{"ph": "B", "name": "X", "pid": 0, "tid": 0, "ts": 1}], None, "is never ended"),
-        ([{"ph": "B", "name": "STEP", "tid": 0, "ts": 1}], None, "has no numeric pid"),
+        ([{"ph": "B", "name": "STEP", "tid": 0, "ts": 1}], None, "has no finite numeric pid"),
         (_step_events(0) + _step_events(1), 7, "--step 7 is not in"),
+        # session 24's probe: each was a traceback or a summary with nonsense in it
+        ([{**_step_events(0)[0], "ts": math.nan}], None, "has no finite numeric ts"),
+        ([_step_events(0)[0], {**_step_events(0)[1], "ts": -3}], None, "before it began"),
+        ([{"ph": "B", "pid": 0, "tid": 0, "ts": 1}], None, "has no name"),
+        ([{**_step_events(0)[0], "args": 5}, _step_events(0)[1]], None, "args.step"),
+        ([{**_step_events(0)[0], "args": {"step": "abc"}}, _step_events(0)[1]], None, "args.step"),
+        ([{"ph": "M", "name": "process_name", "pid": 0}], None, "has no name or no args"),
     ],
 )
 def test_a_malformed_trace_is_one_line_and_writes_nothing(
@@ -491,6 +499,15 @@ def test_a_malformed_trace_is_one_line_and_writes_nothing(
     argv = ["timeline", "summarize", str(trace), *(["--step", str(step)] if step else [])]
     assert main(argv) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # no summary written
+
+
+def test_a_trace_whose_other_data_is_not_an_object_is_one_line(tmp_path: Path) -> None:
+    from gradsync.trace_check import check_trace
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": _step_events(0), "otherData": [1, 2]}))
+    with pytest.raises(UserError, match="otherData is not an object"):
+        check_trace(trace)
 
 
 def test_train_refuses_emulated_hosts_its_ranks_would_leave_empty() -> None:
