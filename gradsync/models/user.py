@@ -143,33 +143,51 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
             "the function (calling it in Python shows the traceback)"
         ) from None
     if isinstance(result, Workload):
-        return result
+        return _checked_workload(name, result)
     if not (isinstance(result, tuple) and len(result) == 3):
         raise UserError(
             f"user model {name} must return a Workload or (model, dataset, loss), "
             f"got {type(result).__name__}"
         )
     model, dataset, loss = result
-    if not isinstance(model, torch.nn.Module) or not callable(loss):
-        raise UserError(
-            f"user model {name} must return (model, dataset, loss) with an nn.Module and a "
-            f"callable loss, got ({type(model).__name__}, {type(dataset).__name__}, "
-            f"{type(loss).__name__})"
-        )
-    if not any(p.requires_grad for p in model.parameters()):
-        raise UserError(
-            f"user model {name} has no trainable parameters, so there is nothing to "
-            "synchronize; return a model with parameters"
-        )
     if not isinstance(dataset, Dataset):
-        dataset = MapStyleSamples(dataset, seed=request.seed)
-    return Workload(
+        dataset = MapStyleSamples(dataset, seed=request.seed, owner=name)
+    workload = Workload(
         model=model,
         dataset=dataset,
         loss=loss,
         global_batch=DEFAULT_USER_GLOBAL_BATCH,
         description=name,
     )
+    return _checked_workload(name, workload)
+
+
+def _checked_workload(name: str, workload: Workload) -> Workload:
+    """``workload`` when it can train: an nn.Module with trainable parameters, a dataset
+    that gives batches, a callable loss, a positive global batch; else a UserError."""
+    model, dataset, loss = workload.model, workload.dataset, workload.loss
+    if not isinstance(model, torch.nn.Module) or not callable(loss):
+        raise UserError(
+            f"user model {name} must return (model, dataset, loss) with an nn.Module and a "
+            f"callable loss, got ({type(model).__name__}, {type(dataset).__name__}, "
+            f"{type(loss).__name__})"
+        )
+    if not callable(getattr(dataset, "batch", None)):
+        raise UserError(
+            f"user model {name}'s Workload has no dataset with a batch method (got "
+            f"{type(dataset).__name__}); return a gradsync Dataset or a map-style dataset"
+        )
+    batch = workload.global_batch
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise UserError(
+            f"user model {name}'s Workload has global_batch {batch!r}; give a positive integer"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(
+            f"user model {name} has no trainable parameters, so there is nothing to "
+            "synchronize; return a model with parameters"
+        )
+    return workload
 
 
 class MapStyleSamples(IndexedSamples):
@@ -182,13 +200,19 @@ class MapStyleSamples(IndexedSamples):
         4
     """
 
-    def __init__(self, dataset: Any, *, seed: int) -> None:
+    def __init__(self, dataset: Any, *, seed: int, owner: str = "a user model") -> None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise UserError(
-                "a user model's dataset must be a gradsync Dataset or a map-style "
+                f"{owner}'s dataset must be a gradsync Dataset or a map-style "
                 "dataset with __len__ and __getitem__ returning (input, target)"
             )
-        super().__init__(len(dataset), seed)
+        try:
+            count = len(dataset)
+        except Exception as error:  # the user's __len__
+            raise UserError(f"{owner}'s dataset has no length: {_describe(error)}") from None
+        if count == 0:
+            raise UserError(f"{owner}'s dataset is empty; return one with samples")
+        super().__init__(count, seed)
         self.dataset = dataset
 
     def gather(self, indices: Tensor) -> Batch:
@@ -205,7 +229,16 @@ def check_user_step(name: str, workload: Workload) -> None:
     Example:
         >>> # check_user_step("my_model.py:build", build_user_workload(name, request))
     """
-    batch = workload.dataset.batch(step=0, size=2, start=0, stop=2)
+    try:
+        batch = workload.dataset.batch(step=0, size=2, start=0, stop=2)
+    except UserError:
+        raise
+    except Exception as error:  # the user's __getitem__, or items that do not stack
+        raise UserError(
+            f"user model {name}'s dataset failed to give a batch of 2 samples: {_describe(error)}"[
+                :400
+            ]
+        ) from None
     try:
         output = workload.model(*batch.inputs, **batch.shared)
         loss = workload.loss(output, batch.targets)

@@ -102,8 +102,74 @@ def test_not_a_map_style_dataset_is_a_user_error(dataset):
 
 
 def test_empty_dataset_is_a_user_error():
-    with pytest.raises(UserError, match="holds no samples"):
-        MapStyleSamples([], seed=0)
+    """It said "the data file holds no samples; check the --data path" with no --data."""
+    with pytest.raises(UserError, match="mine's dataset is empty"):
+        MapStyleSamples([], seed=0, owner="mine")
+
+
+class _Broken:
+    def __init__(self, length: int = 4, item: object = None) -> None:
+        self.length, self.item = length, item
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> object:
+        if self.item is None:
+            raise KeyError(index)
+        return self.item(index)
+
+
+BROKEN_WORKLOADS = """
+    import torch
+    from torch import nn
+
+    from gradsync.models.base import Workload
+
+    def loss(output, targets):
+        return nn.functional.cross_entropy(output, targets)
+
+    def no_dataset():
+        return Workload(model=nn.Linear(2, 2), dataset=None, loss=loss, global_batch=4,
+                        description="x")
+
+    def zero_batch():
+        from gradsync.models.user import MapStyleSamples
+        items = [(torch.zeros(2), torch.tensor(0))] * 4
+        return Workload(model=nn.Linear(2, 2), dataset=MapStyleSamples(items, seed=0),
+                        loss=loss, global_batch=0, description="x")
+"""
+
+
+@pytest.mark.parametrize(
+    ("function", "words"),
+    [("no_dataset", "no dataset with a batch method"), ("zero_batch", "global_batch 0")],
+)
+def test_a_returned_workload_is_checked_like_a_tuple(tmp_path, function, words):
+    path = _write(tmp_path, "broken.py", BROKEN_WORKLOADS)
+    with pytest.raises(UserError, match=words):
+        build_user_workload(f"{path}:{function}", BuildRequest())
+
+
+@pytest.mark.parametrize(
+    ("dataset", "words"),
+    [
+        (_Broken(), "failed to give a batch of 2 samples: KeyError"),
+        (_Broken(item=lambda i: (torch.zeros(i + 1), torch.tensor(0))), "stack expects"),
+        (_Broken(length=-1), "has no length: ValueError"),
+    ],
+)
+def test_a_dataset_that_fails_is_one_line_before_launch(dataset, words):
+    """Each was a traceback from the launcher (session 24's probe)."""
+    from gradsync.models.user import check_user_step
+
+    with pytest.raises(UserError, match=words):
+        samples = MapStyleSamples(dataset, seed=0, owner="mine")
+        workload = Workload(
+            model=nn.Linear(2, 2), dataset=samples, loss=nn.functional.cross_entropy,
+            global_batch=4, description="mine",
+        )  # fmt: skip
+        check_user_step("mine", workload)
 
 
 # ---------------------------------------------------------------- loading user models
