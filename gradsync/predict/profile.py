@@ -469,6 +469,8 @@ class ProfileRequest:
             )
         if self.concurrent < 1:
             raise UserError(f"--concurrent must be a positive integer, got {self.concurrent}")
+        if self.warmup < 0:
+            raise UserError(f"--warmup must be >= 0 steps, got {self.warmup}")
         if self.steps <= self.warmup:
             raise UserError(
                 f"--steps {self.steps} leaves nothing after {self.warmup} warm-up steps; "
@@ -487,8 +489,27 @@ def measure_profile(request: ProfileRequest) -> Profile:
     profile sees the cores shared as k ranks of one machine share them.
     """
     request.check()
+    _check_shard(request)
     with _Siblings(request), _solo_group():
         return _measure(request)
+
+
+def _check_shard(request: ProfileRequest) -> None:
+    """UserError when the preset's global batch does not split over ``--workers``, as
+    ``gradsync train`` refuses it (the profile would time a shard no run computes)."""
+    if request.batch is not None or request.workers == 1:
+        return
+    from gradsync.models import build_workload
+
+    batch = build_workload(
+        request.model, preset=request.preset, options=request.model_options
+    ).global_batch
+    if batch % request.workers:
+        raise UserError(
+            f"the global batch of {request.model} ({request.preset}), {batch}, does not divide "
+            f"by --workers {request.workers}; pass --batch N (samples per worker) or --workers "
+            f"that divides {batch}"
+        )
 
 
 class _Siblings:
@@ -522,7 +543,12 @@ class _Siblings:
 
 
 def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:
-    """A sibling: forward, backward and update of the same batch until told to stop."""
+    """A sibling: forward, backward and update of the same batch until told to stop. A
+    signal ends it quietly (the parent, which says why it stopped, handles its own)."""
+    import signal
+
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, signal.SIG_DFL)
     with _solo_group():
         _sibling_steps(request, stop, ready)
 

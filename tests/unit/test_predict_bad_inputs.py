@@ -66,6 +66,22 @@ def test_profile_overwrite_replaces_the_file(
     assert Profile.load(out) == measured
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--warmup", "-1"], "--warmup must be >= 0"),  # medians of the last step alone
+        (["--workers", "3"], "8, does not divide by --workers 3"),  # a shard no run computes
+    ],
+)
+def test_profile_settings_train_would_refuse_are_refused(
+    flags: list[str], words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p.json"
+    refused(["profile", "--model", "mnist-cnn", "--preset", "tiny", *flags, "--out", str(out)],
+            capsys, words)  # fmt: skip
+    assert not out.exists()
+
+
 # -- 2. predict --out ----------------------------------------------------------------------
 
 
