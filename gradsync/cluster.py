@@ -182,7 +182,8 @@ def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="OPTION",
-        help="another #SBATCH line, e.g. --partition=cpu (repeatable)",
+        help="another #SBATCH line, e.g. --sbatch-option=--partition=cpu (the = keeps the "
+        "option's own dashes from being read as a flag; repeatable)",
     )
     sbatch.add_argument(
         "--print-sbatch", action="store_true", help="print the script instead of writing it"
@@ -198,10 +199,11 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
     experiment = load_experiment(args.experiment)
     for option in args.sbatch_option:
-        if "\n" in option or "\r" in option:
-            raise UserError(
-                f"--sbatch-option {option!r} holds a line break; give one #SBATCH option each"
-            )
+        check_sbatch_option(option)
+    if args.print_sbatch and args.submit:
+        raise UserError("--print-sbatch prints the script and --submit submits it; pick one")
+    if args.submit and shutil.which("sbatch") is None:  # before the script is written
+        raise UserError("sbatch is not on PATH; run gradsync sbatch --submit on a Slurm login node")
     shape = job_shape(
         experiment,
         tasks_per_node=args.tasks_per_node,
@@ -227,6 +229,27 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.submit:
         print(submit(path))
     return 0
+
+
+def check_sbatch_option(option: str) -> None:
+    """UserError unless ``option`` is one #SBATCH option: it starts with a dash and holds
+    no line break.
+
+    Example:
+        >>> check_sbatch_option("--partition=cpu")
+        >>> check_sbatch_option("partition=cpu")
+        Traceback (most recent call last):
+        gradsync.errors.UserError: --sbatch-option 'partition=cpu' is not an sbatch option ...
+    """
+    if "\n" in option or "\r" in option:
+        raise UserError(
+            f"--sbatch-option {option!r} holds a line break; give one #SBATCH option each"
+        )
+    if not option.strip().startswith("-"):
+        raise UserError(
+            f"--sbatch-option {option!r} is not an sbatch option (they start with - or --); "
+            "write e.g. --sbatch-option=--partition=cpu"
+        )
 
 
 def parse_time_limit(text: str) -> int:

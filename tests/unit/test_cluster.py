@@ -72,6 +72,10 @@ def test_print_sbatch_writes_nothing(scaling: Path, tmp_path: Path, monkeypatch,
     [
         (["--time", "soon"], "--time 'soon' is not a time limit"),
         (["--tasks-per-node", "0"], "argument --tasks-per-node: 0 is not a positive integer"),
+        # session 24's probe: written verbatim as "#SBATCH partition=cpu", or ignored
+        (["--sbatch-option=partition=cpu"], "'partition=cpu' is not an sbatch option"),
+        (["--sbatch-option="], "'' is not an sbatch option"),
+        (["--print-sbatch", "--submit"], "pick one"),
     ],
 )
 def test_bad_sbatch_options_are_one_line(scaling: Path, capsys, argv, message) -> None:
