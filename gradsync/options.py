@@ -116,13 +116,9 @@ class StrategyOptions:
             >>> Knobs().result_changing()
             {'exact': []}
         """
-        return {
-            item.name: list(value)
-            if isinstance(value := getattr(self, item.name), tuple)
-            else value
-            for item in dataclasses.fields(self)
-            if item.metadata.get("changes_results")
-        }
+        fields = [item for item in dataclasses.fields(self) if item.metadata.get("changes_results")]
+        values = {item.name: getattr(self, item.name) for item in fields}
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
 
     def changed(self) -> dict[str, Any]:
         """The fields that differ from their defaults (for labels and reports)."""

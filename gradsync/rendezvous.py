@@ -283,7 +283,7 @@ def _connect(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
         first_line = (str(error).strip().splitlines() or ["no message"])[0]
         action = "listen on" if env.rank == 0 else "reach the rendezvous at"
         raise UserError(
-            f"rank {env.rank} could not {action} {where} within {timeout.total_seconds():.0f} s "
+            f"rank {env.rank} could not {action} {where} within {timeout.total_seconds():g} s "
             f"({first_line[:200]}); check --master-addr/--master-port (and that rank 0 runs)"
         ) from None
 
@@ -296,7 +296,7 @@ def _verdict(store: dist.Store, first: RankInfo, timeout: timedelta) -> dict[str
         missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
         return {
             "error": f"rank(s) {', '.join(missing)} of {first.world_size} did not reach the "
-            f"rendezvous within {timeout.total_seconds():.0f} s; start every rank (or pass "
+            f"rendezvous within {timeout.total_seconds():g} s; start every rank (or pass "
             "--timeout with more seconds)",
             "leader": asdict(first),
             "device": "cpu",
@@ -314,7 +314,7 @@ def _get(store: dist.Store, key: str, env: RankEnv, timeout: timedelta) -> bytes
         return store.get(key)
     except RuntimeError:
         raise UserError(
-            f"rank {env.rank} waited {timeout.total_seconds():.0f} s at "
+            f"rank {env.rank} waited {timeout.total_seconds():g} s at "
             f"{env.master_addr}:{env.master_port} for rank 0's check of the ranks; "
             "rank 0 did not answer (is every rank started with the same world size?)"
         ) from None
