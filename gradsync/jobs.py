@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gradsync.comm.batchnorm import unconvertible_batchnorm
 from gradsync.config import TrainConfig
 from gradsync.devices import rank_device
 from gradsync.devices import resolve as resolve_device
@@ -54,6 +57,7 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
     workload = workload_of(config)
     if is_user_model(config.model):
         check_user_step(config.model, workload)
+    _check_parameters_and_layers(config, workload.model)
     if not one_rank and config.global_batch is None and workload.global_batch % config.workers:
         batch, workers = workload.global_batch, config.workers
         raise UserError(
@@ -61,6 +65,23 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
             f"--workers {workers}; pass --global-batch {workers * max(1, batch // workers)} "
             f"(a multiple of {workers}) or choose --workers that divides {batch}"
         )
+
+
+def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) -> None:
+    """What no strategy can train right: complex parameters, and BatchNorm layers with a
+    forward of their own under global BatchNorm."""
+    complex_params = [(n, p.dtype) for n, p in model.named_parameters() if p.is_complex()]
+    if complex_params:
+        name, dtype = complex_params[0]
+        raise UserError(
+            f"parameter {name} is {str(dtype).removeprefix('torch.')}: gradsync trains real "
+            "parameters (its strategies reduce real tensors, its checkpoints are safetensors, "
+            "which has no complex type); keep the real and imaginary parts as two parameters"
+        )
+    if config.workers > 1 and config.batchnorm == "global":
+        problem = unconvertible_batchnorm(model)
+        if problem:
+            raise UserError(problem)
 
 
 def check_every_host_used(config: TrainConfig) -> None:

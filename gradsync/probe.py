@@ -39,11 +39,26 @@ def params_without_gradient(
     """
     probe = copy.deepcopy(model)
     probe.train()
-    with torch.random.fork_rng(devices=[]):
-        batch = workload.dataset.batch(step=0, size=global_batch, start=start, stop=stop)
-        batch = batch.to(device, torch.get_default_dtype())
-        workload.loss(probe(*batch.inputs, **batch.shared), batch.targets).backward()
-    return {n for n, p in probe.named_parameters() if p.requires_grad and p.grad is None}
+    # A loss that reads the model's own parameters (a penalty written in the loss) reaches
+    # the real model, not the copy: its gradients there are kept apart and put back.
+    real = dict(model.named_parameters())
+    kept = {name: param.grad for name, param in real.items()}
+    for param in real.values():
+        param.grad = None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            batch = workload.dataset.batch(step=0, size=global_batch, start=start, stop=stop)
+            batch = batch.to(device, torch.get_default_dtype())
+            workload.loss(probe(*batch.inputs, **batch.shared), batch.targets).backward()
+        read_by_loss = {name for name, param in real.items() if param.grad is not None}
+    finally:
+        for name, param in real.items():
+            param.grad = kept[name]
+    return {
+        n
+        for n, p in probe.named_parameters()
+        if p.requires_grad and p.grad is None and n not in read_by_loss
+    }
 
 
 def missing_on_any_worker(

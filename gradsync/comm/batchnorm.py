@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradsync.errors import UserError
+
 
 def _combine_moments(local: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
     """Global (mean, biased variance, count) from every rank's float64 (count, mean, M2) rows.
@@ -149,16 +151,52 @@ class GlobalBatchNorm(nn.Module):
 def convert_batchnorm(module: nn.Module, group: Any) -> int:
     """Replace every BatchNorm layer inside ``module`` by a :class:`GlobalBatchNorm` in place.
 
-    Returns the number of layers replaced. Parameter names and identities do not change.
+    Returns the number of layers replaced. Parameter names and identities do not change; a
+    layer reachable under several names becomes one global layer under all of them.
+    UserError for a subclass with a forward of its own (see :func:`unconvertible_batchnorm`).
+
+    Example:
+        >>> norm = nn.BatchNorm1d(2)
+        >>> model = nn.ModuleDict({"a": norm, "b": norm})
+        >>> convert_batchnorm(model, group=None), model["a"] is model["b"]
+        (1, True)
     """
-    replaced = 0
-    for name, child in module.named_children():
-        if isinstance(child, _BatchNorm):
-            setattr(module, name, GlobalBatchNorm(child, group))
-            replaced += 1
-        else:
-            replaced += convert_batchnorm(child, group)
-    return replaced
+    problem = unconvertible_batchnorm(module)
+    if problem:
+        raise UserError(problem)
+    converted: dict[int, GlobalBatchNorm] = {}
+    for parent in list(module.modules()):
+        for name, child in list(parent._modules.items()):  # named_children skips aliases
+            if isinstance(child, _BatchNorm):
+                if id(child) not in converted:
+                    converted[id(child)] = GlobalBatchNorm(child, group)
+                setattr(parent, name, converted[id(child)])
+    return len(converted)
+
+
+# BatchNorm classes whose forward is BatchNorm's own: global statistics replace it whole.
+_PLAIN_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
+
+
+def unconvertible_batchnorm(module: nn.Module) -> str | None:
+    """Why ``--batchnorm global`` cannot take ``module``'s BatchNorm layers, or None: a
+    subclass that overrides ``forward`` would lose what its forward adds.
+
+    Example:
+        >>> class Scaled(nn.BatchNorm1d):
+        ...     def forward(self, x):
+        ...         return 2 * super().forward(x)
+        >>> print(unconvertible_batchnorm(nn.Sequential(Scaled(2))))  # doctest: +ELLIPSIS
+        layer 0 is a Scaled, a BatchNorm subclass with a forward of its own, ...
+    """
+    for name, layer in module.named_modules():
+        if isinstance(layer, _BatchNorm) and type(layer).forward not in _PLAIN_FORWARDS:
+            return (
+                f"layer {name} is a {type(layer).__name__}, a BatchNorm subclass with a forward "
+                "of its own, which global BatchNorm would replace; use --batchnorm local (each "
+                "worker normalizes its shard, as DDP does)"
+            )
+    return None
 
 
 def has_batchnorm(module: nn.Module) -> bool:

@@ -63,6 +63,8 @@ def plan_buckets(
     A threshold of 0 disables fusion (one bucket per parameter). ``first_bucket_bytes``
     (DDP's ``bucket_cap_mb`` for the first bucket, 1 MB there) caps the first bucket only:
     the gradients backward produces first leave early instead of waiting for a full bucket.
+    A bucket holds one dtype (a float32 gradient in a float64 bucket would be widened, a
+    float64 one in a float32 bucket rounded): a change of dtype starts the next bucket.
 
     Example:
         >>> ps = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 10)]
@@ -70,6 +72,9 @@ def plan_buckets(
         [[2, 1], [0]]
         >>> plan_buckets(ps, threshold_bytes=120, first_bucket_bytes=40)
         [[2], [1, 0]]
+        >>> ps[1] = nn.Parameter(torch.zeros(10, dtype=torch.float64))
+        >>> plan_buckets(ps, threshold_bytes=1000)
+        [[2], [1], [0]]
     """
     buckets: list[list[int]] = []
     current: list[int] = []
@@ -79,7 +84,8 @@ def plan_buckets(
         cap = threshold_bytes
         if not buckets and first_bucket_bytes is not None:
             cap = min(cap, first_bucket_bytes)
-        if current and current_bytes + size > cap:
+        other_dtype = current and params[current[0]].dtype != params[index].dtype
+        if current and (current_bytes + size > cap or other_dtype):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(index)

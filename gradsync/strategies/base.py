@@ -26,6 +26,7 @@ from gradsync.comm.counters import CommStats
 from gradsync.comm.server import ColocatedServer, ServerPolicy, serve
 from gradsync.comm.wire import Inbox
 from gradsync.config import TrainConfig
+from gradsync.errors import UserError
 from gradsync.optim import Updater
 from gradsync.options import InvalidOption, StrategyOptions, option
 from gradsync.trace import NullTimeline, Timeline
@@ -248,6 +249,25 @@ class ServerStrategy(Strategy):
             name=f"{self.name} server {server}",
         )
         return inbox, thread
+
+
+def check_one_dtype(strategy: str, params: Iterable[torch.Tensor]) -> None:
+    """UserError when the parameters a server strategy's servers keep come in several
+    dtypes: a server keeps its shard in one flat buffer of one dtype, so one dtype would
+    be rounded into another.
+
+    Example:
+        >>> check_one_dtype("ps", [torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
+        Traceback (most recent call last):
+        gradsync.errors.UserError: ps keeps each server's shard in one buffer of one dtype, ...
+    """
+    dtypes = sorted({str(param.dtype).removeprefix("torch.") for param in params})
+    if len(dtypes) > 1:
+        raise UserError(
+            f"{strategy} keeps each server's shard in one buffer of one dtype, but the "
+            f"parameters it serves are {' and '.join(dtypes)}; give them one dtype, or use "
+            "allreduce or ddp"
+        )
 
 
 def broadcast_parameters(model: nn.Module, group: Any = None) -> None:

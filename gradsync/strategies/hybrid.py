@@ -82,6 +82,7 @@ from gradsync.strategies.base import (
     ServerStrategy,
     Strategy,
     broadcast_parameters,
+    check_one_dtype,
 )
 from gradsync.trace import COMPUTE, Phase
 
@@ -235,6 +236,10 @@ class Hybrid(ServerStrategy):
         sparse = [n for n, k in kinds.items() if k == "sparse"]
         if not sparse:
             return
+        from gradsync.models import workload_of
+
+        params = dict(workload_of(config).model.named_parameters())
+        check_one_dtype(cls.name, [params[name] for name in sparse])
         optim = config.optim
         if optim.name != "sgd":
             raise UserError(

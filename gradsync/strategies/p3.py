@@ -107,7 +107,7 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
 from gradsync.options import option
-from gradsync.strategies.base import Context, ServerOptions, ServerStrategy
+from gradsync.strategies.base import Context, ServerOptions, ServerStrategy, check_one_dtype
 from gradsync.trace import COMPUTE, Phase
 
 DEFAULT_SLICE_SIZE = 40_000
@@ -155,9 +155,9 @@ class PriorityPropagation(ServerStrategy):
         from gradsync.models import workload_of
 
         workload = workload_of(config)
-        variables = [
-            (n, p.numel()) for n, p in workload.model.named_parameters() if p.requires_grad
-        ]
+        trained = [(n, p) for n, p in workload.model.named_parameters() if p.requires_grad]
+        check_one_dtype(cls.name, [p for _, p in trained])
+        variables = [(n, p.numel()) for n, p in trained]
         try:
             _slices(config, variables)
         except UserError as error:

@@ -53,7 +53,7 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
 from gradsync.options import option
-from gradsync.strategies.base import Context, ServerOptions, ServerStrategy
+from gradsync.strategies.base import Context, ServerOptions, ServerStrategy, check_one_dtype
 from gradsync.trace import COMPUTE, Phase
 
 
@@ -120,8 +120,9 @@ class ParameterServer(ServerStrategy):
         from gradsync.models import workload_of
 
         workload = workload_of(config)
-        params = workload.model.named_parameters()
-        _plan(config, {n: p for n, p in params if p.requires_grad})
+        params = {n: p for n, p in workload.model.named_parameters() if p.requires_grad}
+        check_one_dtype(cls.name, params.values())
+        _plan(config, params)
 
     @classmethod
     def is_synchronous(cls, config: TrainConfig) -> bool:

@@ -87,8 +87,9 @@ def test_two_threads_per_rank_match_too(workdir: Path) -> None:
 
 def test_dense_adversary_matches_single(workdir: Path) -> None:
     """Tied, gated (per worker), never-used, frozen, 0-dim and non-contiguous parameters,
-    BatchNorm without affine parameters and without running statistics; momentum 0.9 and
-    weight decay move any parameter wrongly given a zero gradient."""
+    BatchNorm without affine parameters (under two names) and without running statistics,
+    a loss that reads a parameter; momentum 0.9 and weight decay move any parameter wrongly
+    given a zero gradient."""
     _verify(
         workdir,
         "--model",

@@ -6,8 +6,9 @@
 - a gated branch used only by samples whose gate feature is high, so in one step some
   workers use it and others do not (and some steps nobody does);
 - a never-used parameter, a frozen layer, a 0-dim scale, a non-contiguous weight;
-- BatchNorm without affine parameters, and BatchNorm without running statistics on a
-  3-d ``(N, C, L)`` input.
+- BatchNorm without affine parameters, reached under a second name, and BatchNorm without
+  running statistics on a 3-d ``(N, C, L)`` input;
+- a loss that reads a parameter itself (an L2 penalty written in the loss).
 
 ``build_sparse`` (sparse gradients, so no weight decay: torch's SGD refuses it there):
 
@@ -57,6 +58,7 @@ class DenseAdversary(nn.Module):
         self.embed = nn.Embedding(VOCAB, DIM)
         self.features = nn.Linear(FEATURES, DIM)
         self.norm_plain = nn.BatchNorm1d(DIM, affine=False)
+        self.norm_alias = self.norm_plain  # one layer, two names; forward uses the second
         self.norm_batch_only = nn.BatchNorm1d(DIM // 2, track_running_stats=False)
         self.mix = nn.Parameter(torch.randn(DIM, DIM).t())  # non-contiguous
         self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim
@@ -69,7 +71,7 @@ class DenseAdversary(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         ids, gate = x[:, 0].long(), x[:, 1] > GATE
         h = self.embed(ids) + self.features(x[:, 1:])
-        h = self.norm_plain(h)
+        h = self.norm_alias(h)
         n = h.shape[0]
         h = self.norm_batch_only(h.view(n, DIM // 2, 2)).view(n, DIM)
         h = torch.tanh(F.linear(h, self.mix)) * self.scale
@@ -101,9 +103,17 @@ def _build(model: nn.Module, seed: int) -> tuple[nn.Module, TensorDataset, objec
     return model, _dataset(seed), F.cross_entropy
 
 
+PENALTY = 1e-3  # the L2 penalty the dense adversary's loss adds on its features layer
+
+
 def build_dense(seed: int = 0) -> tuple[nn.Module, TensorDataset, object]:
-    """The dense adversary, its data and loss."""
-    return _build(DenseAdversary(), seed)
+    """The dense adversary, its data and a loss that reads one of its parameters."""
+    model = DenseAdversary()
+
+    def penalized(output: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(output, targets) + PENALTY * model.features.weight.pow(2).sum()
+
+    return model, _dataset(seed), penalized
 
 
 def build_sparse(seed: int = 0) -> tuple[nn.Module, TensorDataset, object]:

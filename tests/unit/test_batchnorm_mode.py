@@ -55,3 +55,52 @@ def test_flags_of_this_work_parse_into_the_config() -> None:
     assert _config(args).batchnorm == "local"
     options = _strategy_options("allreduce", args)
     assert options.sparse_as_dense and options.first_bucket_bytes == 1 << 20
+
+
+def test_a_batchnorm_under_two_names_becomes_one_global_layer() -> None:
+    """convert_batchnorm walked named_children, which skips a module seen before: the
+    second name kept the local layer, and a forward through it normalized each worker's
+    shard alone (session 24's probe)."""
+    from torch import nn
+
+    from gradsync.comm.batchnorm import GlobalBatchNorm, convert_batchnorm
+
+    norm = nn.BatchNorm1d(3)
+    model = nn.Module()
+    model.first, model.second = norm, norm
+    model.inner = nn.Sequential(norm)
+    assert convert_batchnorm(model, group=None) == 1
+    assert isinstance(model.second, GlobalBatchNorm)
+    assert model.first is model.second is model.inner[0]
+
+
+def test_a_batchnorm_subclass_with_its_own_forward_is_refused_before_launch(tmp_path) -> None:
+    """Its forward (here: 2·BN(x) + 0.5) was replaced by the global layer's, silently."""
+    import textwrap
+
+    import pytest
+
+    from gradsync.config import TrainConfig
+    from gradsync.errors import UserError
+    from gradsync.jobs import validate
+
+    path = tmp_path / "scaled.py"
+    path.write_text(
+        textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class ScaledBN(nn.BatchNorm1d):
+            def forward(self, x):
+                return 2 * super().forward(x) + 0.5
+
+        def build():
+            items = [(torch.randn(3), torch.tensor(i % 2)) for i in range(16)]
+            model = nn.Sequential(nn.Linear(3, 4), ScaledBN(4), nn.Linear(4, 2))
+            return model, items, nn.functional.cross_entropy
+    """)
+    )
+    config = TrainConfig(model=f"{path}:build", strategy="allreduce", workers=2, global_batch=8)
+    with pytest.raises(UserError, match="layer 1 is a ScaledBN, a BatchNorm subclass"):
+        validate(config)
+    validate(config.replace(batchnorm="local"))  # each shard its own statistics: fine

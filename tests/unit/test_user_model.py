@@ -421,3 +421,78 @@ def test_the_checks_before_launch_build_a_user_model_once(tmp_path, strategy):
         validate(config.replace(workers=4))  # verify's cells: the same model
         assert meta_differences({"workers": 2}, config) == []
     assert path.with_suffix(".builds").read_text().count("built") == 1
+
+
+ODD_PARAMETERS = """
+    import torch
+    from torch import nn
+
+    def items():
+        return [(torch.randn(3), torch.tensor(i % 2)) for i in range(16)]
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(3, 4)
+            self.last = nn.Linear(4, 2).double()
+
+        def forward(self, x):
+            return self.last(torch.tanh(self.first(x)).double()).float()
+
+    def mixed():
+        return Mixed(), items(), nn.functional.cross_entropy
+
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 2)
+            self.phase = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+
+        def forward(self, x):
+            return self.layer(x) * self.phase.abs()
+
+    def complex_():
+        return Complex(), items(), nn.functional.cross_entropy
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ps", "p3"])
+def test_servers_refuse_parameters_of_several_dtypes(tmp_path, strategy):
+    """ps rounded a float32 parameter through a float64 shard; p3 crashed on it (session 24)."""
+    from gradsync.jobs import validate
+
+    path = _write(tmp_path, "odd.py", ODD_PARAMETERS)
+    config = TrainConfig(model=f"{path}:mixed", strategy=strategy, workers=2, global_batch=8)
+    with pytest.raises(UserError, match=f"{strategy} keeps each server's shard in one buffer"):
+        validate(config)
+    validate(config.replace(strategy="allreduce", strategy_options=None))  # a bucket per dtype
+
+
+def test_complex_parameters_are_refused_before_launch(tmp_path):
+    """allreduce dropped their imaginary part; single could not save its checkpoint."""
+    from gradsync.jobs import validate
+
+    path = _write(tmp_path, "odd.py", ODD_PARAMETERS)
+    with pytest.raises(UserError, match="parameter phase is complex64: gradsync trains real"):
+        validate(TrainConfig(model=f"{path}:complex_", strategy="single"))
+
+
+def test_the_probe_leaves_no_gradient_on_the_model_a_loss_reads():
+    """A loss that reads a parameter itself reached the real model from the probe's copy:
+    ddp added one extra gradient at step 0 (session 24's probe)."""
+    from gradsync.probe import params_without_gradient
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    loose = nn.Parameter(torch.ones(2))  # read by the loss alone
+    model.loose = loose
+
+    def loss(output, targets):
+        return nn.functional.cross_entropy(output, targets) + (model[0].weight.sum() + loose.sum())
+
+    samples = MapStyleSamples([(torch.randn(3), torch.tensor(i % 2)) for i in range(8)], seed=0)
+    workload = Workload(model=model, dataset=samples, loss=loss, global_batch=8, description="m")
+    missing = params_without_gradient(
+        workload, model, global_batch=8, start=0, stop=4, device=torch.device("cpu")
+    )
+    assert missing == set()  # the loss reads loose: it gets a gradient, in the real model
+    assert all(param.grad is None for param in model.parameters())
