@@ -150,6 +150,7 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
             f"got {type(result).__name__}"
         )
     model, dataset, loss = result
+    _check_model_and_loss(name, model, dataset, loss)
     if not isinstance(dataset, Dataset):
         dataset = MapStyleSamples(dataset, seed=request.seed, owner=name)
     workload = Workload(
@@ -162,16 +163,20 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
     return _checked_workload(name, workload)
 
 
-def _checked_workload(name: str, workload: Workload) -> Workload:
-    """``workload`` when it can train: an nn.Module with trainable parameters, a dataset
-    that gives batches, a callable loss, a positive global batch; else a UserError."""
-    model, dataset, loss = workload.model, workload.dataset, workload.loss
+def _check_model_and_loss(name: str, model: Any, dataset: Any, loss: Any) -> None:
     if not isinstance(model, torch.nn.Module) or not callable(loss):
         raise UserError(
             f"user model {name} must return (model, dataset, loss) with an nn.Module and a "
             f"callable loss, got ({type(model).__name__}, {type(dataset).__name__}, "
             f"{type(loss).__name__})"
         )
+
+
+def _checked_workload(name: str, workload: Workload) -> Workload:
+    """``workload`` when it can train: an nn.Module with trainable parameters, a dataset
+    that gives batches, a callable loss, a positive global batch; else a UserError."""
+    model, dataset, loss = workload.model, workload.dataset, workload.loss
+    _check_model_and_loss(name, model, dataset, loss)
     if not callable(getattr(dataset, "batch", None)):
         raise UserError(
             f"user model {name}'s Workload has no dataset with a batch method (got "
