@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.checkpoint import Checkpoint, load_checkpoint
-from gradsync.compare import diff_checkpoints, worst
+from gradsync.compare import TensorDiff, diff_checkpoints, worst
 from gradsync.config import TrainConfig
 from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
@@ -165,8 +165,11 @@ def _run_cell(
 ) -> Outcome:
     summary = load_summary(Path(config.out)) if first else run_job(config)
     checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE)
-    diff = worst(diff_checkpoints(reference, checkpoint, include_optimizer=False))
+    diffs = diff_checkpoints(reference, checkpoint, include_optimizer=False)
+    diff = worst(diffs)
     verdict, reason = verdict_for(config, diff.max_abs, tolerance)
+    if verdict == "FAIL":
+        reason = which_tensors_fail(diffs, tolerance)
     return Outcome(
         strategy=label,
         workers=config.workers,
@@ -357,6 +360,24 @@ def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[
     if expected is not None or not strategy.synchronous:
         return "differs (expected)", expected or "asynchronous updates"
     return "FAIL", "a synchronous strategy must match single"
+
+
+def which_tensors_fail(diffs: list[TensorDiff], tolerance: float) -> str:
+    """A failing cell's reason, naming the tensors beyond ``tolerance`` (worst first); when
+    only buffers differ, says so: parameters that match beside buffers that do not are
+    statistics a layer keeps per worker (gradsync saves worker 0's), not wrong training.
+
+    Example:
+        >>> diffs = [TensorDiff("param/w", 0.0, 0.0), TensorDiff("buffer/ema", 0.1, 1.0)]
+        >>> print(which_tensors_fail(diffs, 1e-9))  # doctest: +ELLIPSIS
+        parameters match; buffers differ (each worker keeps its own; ...): buffer/ema
+    """
+    beyond = sorted((d for d in diffs if not d.within(tolerance)), key=lambda d: -d.max_abs)
+    names = ", ".join(d.name for d in beyond[:3]) + (", …" if len(beyond) > 3 else "")
+    if all(d.name.startswith("buffer/") for d in beyond):
+        kept = "each worker keeps its own; worker 0's are saved"
+        return f"parameters match; buffers differ ({kept}): {names}"
+    return f"a synchronous strategy must match single; beyond: {names}"
 
 
 def batchnorm_difference(config: TrainConfig) -> str | None:
