@@ -143,6 +143,7 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
             "the function (calling it in Python shows the traceback)"
         ) from None
     if isinstance(result, Workload):
+        _check_model_and_loss(name, result.model, result.dataset, result.loss)
         return _checked_workload(name, result)
     if not (isinstance(result, tuple) and len(result) == 3):
         raise UserError(
@@ -173,10 +174,9 @@ def _check_model_and_loss(name: str, model: Any, dataset: Any, loss: Any) -> Non
 
 
 def _checked_workload(name: str, workload: Workload) -> Workload:
-    """``workload`` when it can train: an nn.Module with trainable parameters, a dataset
-    that gives batches, a callable loss, a positive global batch; else a UserError."""
-    model, dataset, loss = workload.model, workload.dataset, workload.loss
-    _check_model_and_loss(name, model, dataset, loss)
+    """``workload`` (its model and loss checked already) when it can train: trainable
+    parameters, a dataset that gives batches, a positive global batch; else a UserError."""
+    model, dataset = workload.model, workload.dataset
     if not callable(getattr(dataset, "batch", None)):
         raise UserError(
             f"user model {name}'s Workload has no dataset with a batch method (got "
@@ -239,11 +239,8 @@ def check_user_step(name: str, workload: Workload) -> None:
     except UserError:
         raise
     except Exception as error:  # the user's __getitem__, or items that do not stack
-        raise UserError(
-            f"user model {name}'s dataset failed to give a batch of 2 samples: {_describe(error)}"[
-                :400
-            ]
-        ) from None
+        message = f"user model {name}'s dataset failed to give a batch of 2 samples"
+        raise UserError(f"{message}: {_describe(error)}"[:400]) from None
     try:
         output = workload.model(*batch.inputs, **batch.shared)
         loss = workload.loss(output, batch.targets)
