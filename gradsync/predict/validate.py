@@ -332,7 +332,16 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
                     handle.write(json.dumps(cell) + "\n")
                 print(_cell_line(cell), flush=True)
                 before = after
-    cells = [_repredict(plan, c, out) for c in combine_rounds(list(done.values()))]
+    return summarize_measured(plan, out)
+
+
+def summarize_measured(plan: ValidationPlan, out: Path) -> dict[str, Any]:
+    """Summarize the runs ``out/cells.jsonl`` holds, re-predicted with the current
+    simulator: also a validation cut short (a time limit) before every cell ran.
+
+        >>> summarize_measured(load_plan("plan.toml"), Path("runs/validation"))  # doctest: +SKIP
+    """
+    cells = [_repredict(plan, c, out) for c in combine_rounds(_read_cells(out / CELLS_LOG))]
     return summarize(cells, out, plan)
 
 
