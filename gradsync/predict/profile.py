@@ -35,7 +35,7 @@ from typing import Any
 
 from gradsync.allocator import keep_step_memory
 from gradsync.config import BATCHNORM_MODES, TrainConfig
-from gradsync.errors import UserError
+from gradsync.errors import JobFailed, UserError
 
 FORMAT = "gradsync-profile/1"
 
@@ -512,14 +512,24 @@ def _check_shard(request: ProfileRequest) -> None:
         )
 
 
+SIBLING_START_S = 120  # a spawned sibling imports torch and builds its model
+
+
 class _Siblings:
-    """``request.concurrent - 1`` processes running the profiled steps until the exit."""
+    """``request.concurrent - 1`` processes running the profiled steps until the exit.
+
+    A sibling that dies before the profile ends (or never starts) fails it: a profile that
+    says ``concurrent`` k was taken with fewer ranks computing would be silently wrong.
+    """
 
     def __init__(self, request: ProfileRequest) -> None:
         import multiprocessing
 
-        # fork: the siblings start at once (torch is imported already; 1 thread each).
-        context = multiprocessing.get_context("fork")
+        # spawn, not fork: once a process has run backward on a CUDA build of torch (a
+        # validation's earlier profile), its autograd engine has threads, and a forked child
+        # cannot run backward at all (seen on a 16-core GPU machine, session 25).
+        context = multiprocessing.get_context("spawn")
+        self.concurrent = request.concurrent
         self.stop = context.Event()
         self.ready = context.Semaphore(0)
         self.processes = [
@@ -530,16 +540,41 @@ class _Siblings:
     def __enter__(self) -> _Siblings:
         for process in self.processes:
             process.start()
+        deadline = time.monotonic() + SIBLING_START_S
         for _ in self.processes:  # each has built its model and started computing
-            self.ready.acquire(timeout=120)
+            while not self.ready.acquire(timeout=0.2):
+                if code := next((p.exitcode for p in self.processes if not p.is_alive()), None):
+                    self._end()
+                    raise JobFailed(self._failure(f"ended before it computed (exit code {code})"))
+                if time.monotonic() > deadline:
+                    self._end()
+                    raise JobFailed(self._failure(f"did not start within {SIBLING_START_S} s"))
         return self
 
-    def __exit__(self, *_exc: object) -> None:
+    def __exit__(self, exc_type: object, *_exc: object) -> None:
+        codes = self._end()
+        if exc_type is None and (code := next((c for c in codes if c != 0), None)) is not None:
+            raise JobFailed(self._failure(f"ended early (exit code {code})"))
+
+    def _end(self) -> list[int]:
+        """Stop the siblings; the exit codes of those that ended by themselves (a stopped
+        sibling's is 0; one still computing after 30 s is killed and not counted)."""
         self.stop.set()
+        codes = []
         for process in self.processes:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)
+            elif process.exitcode is not None:
+                codes.append(process.exitcode)
+        return codes
+
+    def _failure(self, what: str) -> str:
+        return (
+            f"profile --concurrent {self.concurrent}: a sibling process {what}, so the cores "
+            "were not shared as asked; its error, if any, is printed above"
+        )
 
 
 def _sibling(request: ProfileRequest, stop: Any, ready: Any) -> None:

@@ -543,3 +543,47 @@ def test_a_validation_plan_with_zero_repeats_is_refused(tmp_path: Path) -> None:
                          '[[model]]\nname = "vgg16"\n')  # fmt: skip
     with pytest.raises(UserError, match="repeats = 0 is not a whole number of at least 1"):
         validate.load_plan(plan_file)
+
+
+SIBLING_MODEL = """
+import multiprocessing
+
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if multiprocessing.parent_process() is not None and {where!r} == "forward":
+            raise RuntimeError("this sibling dies in its first forward")
+        return self.linear(x)
+
+
+def build():
+    if multiprocessing.parent_process() is not None and {where!r} == "build":
+        raise RuntimeError("this sibling dies building its model")
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return Model(), data, nn.functional.cross_entropy
+"""
+
+
+@pytest.mark.parametrize("where", ["nowhere", "build", "forward"])
+def test_concurrent_siblings_compute_or_the_profile_fails(where: str, tmp_path: Path) -> None:
+    """--concurrent 2 runs a sibling process computing the same steps (started clean by
+    spawn: on a CUDA build of torch, a process forked after any backward cannot run
+    backward). A sibling that dies, before it computed or while it computes, fails the
+    profile: one taken with fewer ranks computing than it says would be silently wrong."""
+    from gradsync.errors import JobFailed
+
+    model = tmp_path / "model.py"
+    model.write_text(SIBLING_MODEL.format(where=where))
+    request = ProfileRequest(model=f"{model}:build", steps=4, warmup=1, concurrent=2)
+    if where == "nowhere":
+        assert measure_profile(request).batch == 32
+        return
+    with pytest.raises(JobFailed, match=r"--concurrent 2: a sibling process ended .*exit code 1"):
+        measure_profile(request)
