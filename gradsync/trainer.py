@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from gradsync.data.base import shard_bounds
+from gradsync.errors import UserError
 from gradsync.heartbeat import beat
 from gradsync.metrics import StepRecord
 from gradsync.models.base import Workload
@@ -42,6 +43,7 @@ def train(
     timeline = context.timeline
     beat("setup")
     module = strategy.setup(workload.model, context)
+    frozen = FrozenParameters(workload.model)
     first_step = restore(strategy) if restore is not None else 0
     timeline.instrument_forward(workload.model)
     module.train()
@@ -62,6 +64,7 @@ def train(
         beat("backward", step)
         with timeline.span(COMPUTE, Phase.BACKWARD):
             loss.backward()
+        frozen.check(step, context.rank)
         beat("sync", step)
         # Sync point: communication completes and the parameters are updated here.
         strategy.step()
@@ -85,6 +88,44 @@ def train(
             )
         )
         before, cpu_mark = after, cpu_now
+
+
+class FrozenParameters:
+    """The parameters frozen (``requires_grad=False``) when training starts, which must stay
+    so: every strategy synchronizes the parameters trainable at set-up, so one unfrozen
+    later (in ``forward``, say) would be updated with this worker's gradient alone and the
+    workers' copies would drift apart without a word.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model.bias.requires_grad_(False)  # doctest: +ELLIPSIS
+        Parameter containing:...
+        >>> frozen = FrozenParameters(model)
+        >>> model.bias.requires_grad_(True)  # doctest: +ELLIPSIS
+        Parameter containing:...
+        >>> frozen.check(step=3, rank=0)
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: parameter 'bias' was frozen when training started ...
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.frozen = [
+            (name, param, param.grad is not None)
+            for name, param in model.named_parameters()
+            if not param.requires_grad
+        ]
+
+    def check(self, step: int, rank: int) -> None:
+        """UserError when a parameter frozen at the start has become trainable."""
+        for name, param, had_grad in self.frozen:
+            if param.requires_grad or (param.grad is not None and not had_grad):
+                raise UserError(
+                    f"parameter '{name}' was frozen when training started and is trainable "
+                    f"at step {step} on rank {rank}: every strategy synchronizes the "
+                    "parameters trainable at the start, so its copies would differ between "
+                    "workers; set requires_grad before training, not during it"
+                )
 
 
 class LossNotFinite(Exception):

@@ -185,3 +185,41 @@ def test_failing_rank_user_error_reaches_the_launcher_as_exit_2(workdir: Path) -
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("gradsync: error:") == 1, result.stderr
+
+
+UNFREEZES_ITS_HEAD = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.head.requires_grad_(False)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:  # fine-tuning that unfreezes its head during the run
+            self.head.requires_grad_(True)
+        return self.head(torch.relu(self.body(x)))
+
+
+def build():
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return Model(), data, nn.functional.cross_entropy
+"""
+
+
+def test_a_parameter_unfrozen_during_training_stops_the_run(workdir: Path) -> None:
+    """Every strategy synchronizes the parameters trainable at set-up: a layer unfrozen in
+    forward would be updated with each worker's own gradient, the copies drifting apart
+    silently. The run stops at that step, one line, exit 2."""
+    (workdir / "unfreezes.py").write_text(UNFREEZES_ITS_HEAD)
+    result = gradsync("train", "--model", "unfreezes.py:build", "--strategy", "allreduce",
+                      "--workers", "2", "--steps", "5", "--out", "run", cwd=workdir)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "parameter 'head.weight' was frozen when training started" in result.stderr
+    assert "Traceback" not in result.stderr
