@@ -25,3 +25,22 @@ class JobFailed(Exception):
         super().__init__(message)
         self.exit_code = exit_code
         self.cause = cause
+
+
+def one_line(error: Exception) -> str:
+    """The most telling line of a job's failure: the rank that caused it (when the launcher
+    named one), then the last line that names an error.
+
+    Example:
+        >>> one_line(JobFailed("rank 1 failed; its last stderr lines:\\n  x\\n  ValueError: bad"))
+        'ValueError: bad'
+        >>> one_line(JobFailed("…\\n  ValueError: bad", cause="rank 1 (worker) exited with code 1"))
+        'rank 1 (worker) exited with code 1: ValueError: bad'
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    telling = [line for line in lines if "error" in line.lower()]
+    line = (telling or lines or [type(error).__name__])[-1].removeprefix("gradsync: error: ")
+    cause = getattr(error, "cause", None)
+    if cause and not line.startswith(cause):
+        line = f"{cause}: {line}" if cause not in line else line
+    return line[:240]

@@ -7,13 +7,17 @@ process starts that the folder can be created and written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from gradsync.errors import UserError
+from gradsync.errors import JobFailed, UserError, one_line
+from gradsync.files import atomic_write_text
+
+FAILURE_FILE = "failure.txt"  # a failed job's whole error (record_failure)
 
 # Files and folders a gradsync job writes at the top of its run folder.
 RUN_MARKERS = (
@@ -29,6 +33,7 @@ RUN_MARKERS = (
     "predictions.json",
     "cells.jsonl",
     "predict-experiment.json",
+    FAILURE_FILE,
 )
 
 
@@ -214,3 +219,24 @@ __all__ = [
     "claim_resumable_dir",
     "claim_run_dir",
 ]
+
+
+def record_failure(folder: Path, error: Exception) -> str:
+    """Keep a failed job's whole error (the ranks' last stderr lines) in
+    ``folder/failure.txt`` and return its most telling line, for a report's one row.
+
+    Only a job that ran leaves the file: a refusal before launch (UserError) is one line
+    already, and its folder may not be the job's to write in.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp())
+        >>> record_failure(run, JobFailed("rank 1 failed; its last stderr lines:\\n  KeyError: 3"))
+        'KeyError: 3'
+        >>> (run / "failure.txt").read_text().splitlines()[-1]
+        '  KeyError: 3'
+    """
+    if isinstance(error, JobFailed) and folder.is_dir():
+        with contextlib.suppress(OSError):  # the report's line still says what failed
+            atomic_write_text(folder / FAILURE_FILE, f"{error}\n")
+    return one_line(error)

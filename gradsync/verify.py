@@ -46,6 +46,7 @@ from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
 from gradsync.models import shared_workloads
 from gradsync.options import field_names, parse_texts
+from gradsync.rundir import record_failure
 from gradsync.runtime import CHECKPOINT_FILE
 from gradsync.stats import Throughput
 from gradsync.strategies import options_class, strategy_class
@@ -194,31 +195,12 @@ def _crashed(label: str, config: TrainConfig, error: Exception, tolerance: float
         max_rel=nan,
         tolerance=tolerance,
         verdict=CRASHED,
-        reason=one_line(error),
+        reason=record_failure(Path(config.out), error),
         throughput={},
         bytes_sent_per_step=nan,
         final_loss=nan,
         out=config.out,
     )
-
-
-def one_line(error: Exception) -> str:
-    """The most telling line of a job's failure: the rank that caused it (when the launcher
-    named one), then the last line that names an error.
-
-    Example:
-        >>> one_line(JobFailed("rank 1 failed; its last stderr lines:\\n  x\\n  ValueError: bad"))
-        'ValueError: bad'
-        >>> one_line(JobFailed("…\\n  ValueError: bad", cause="rank 1 (worker) exited with code 1"))
-        'rank 1 (worker) exited with code 1: ValueError: bad'
-    """
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    telling = [line for line in lines if "error" in line.lower()]
-    line = (telling or lines or [type(error).__name__])[-1].removeprefix("gradsync: error: ")
-    cause = getattr(error, "cause", None)
-    if cause and not line.startswith(cause):
-        line = f"{cause}: {line}" if cause not in line else line
-    return line[:240]
 
 
 def diagnosis(outcomes: Sequence[Outcome]) -> str | None:

@@ -41,7 +41,7 @@ from gradsync.errors import JobFailed, UserError
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
 from gradsync.models import shared_workloads
-from gradsync.rundir import claim_resumable_dir
+from gradsync.rundir import claim_resumable_dir, record_failure
 
 RESULTS_FILE = "results.jsonl"
 CELLS_DIR = "cells"
@@ -291,7 +291,7 @@ def run_cell(
         return {
             **record,
             "status": "failed",
-            "error": str(error).splitlines()[0][:500],
+            "error": record_failure(Path(config.out), error),
             "wall_s": time.time() - started,
         }
     records = read_records(Path(config.out), range(cell.workers))

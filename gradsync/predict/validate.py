@@ -600,6 +600,7 @@ def _run_cell(
     from gradsync.config import LaunchConfig
     from gradsync.errors import JobFailed
     from gradsync.jobs import run_job
+    from gradsync.rundir import record_failure
     from gradsync.verify import cell_config
 
     choice = parse_choice(spec, plan.workers)
@@ -630,7 +631,7 @@ def _run_cell(
     try:
         summary = run_job(config)
     except (JobFailed, UserError) as error:
-        cell.update(status="failed", error=str(error).splitlines()[0])
+        cell.update(status="failed", error=record_failure(Path(config.out), error))
         return cell
     measured = float(summary["throughput"]["median"])
     cell.update(

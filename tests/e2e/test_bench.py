@@ -106,6 +106,8 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(workdir: Path) -> None
     ]
     assert len(records) == 2 and all(r["status"] == "failed" for r in records)
     assert "exited with code 1" in records[0]["error"]  # the failing rank, named
+    kept = (Path(workdir, records[0]["out"]) / "failure.txt").read_text()  # and its whole error
+    assert "its last stderr lines" in kept
     assert "## Failed cells" in (workdir / "out" / "report.md").read_text()
 
 

@@ -279,6 +279,8 @@ def test_a_crashed_strategy_is_a_row_and_the_others_still_run(workdir: Path) -> 
     for name in ("allreduce", "ps"):
         assert rows[name]["verdict"] == "crashed"
         assert "needs the whole batch in one process" in rows[name]["reason"]
+        kept = (Path(rows[name]["out"]) / "failure.txt").read_text()  # the whole error
+        assert "its last stderr lines" in kept and "ValueError: this model" in kept
     assert (out / "verify.md").exists()
 
 
