@@ -3,12 +3,16 @@
 P3 sends the gradients of layer i with priority i, input side first, because the next
 forward pass needs the first layers first. The order is read off the model, not listed
 by hand: forward pre-hooks on every module record the order in which modules are first
-called during the first forward pass. A parameter belongs to the module that holds it; if
-that module is never called (its weight is read by its parent, as ``nn.MultiheadAttention``
-reads ``out_proj.weight``), to its nearest called ancestor; a parameter shared by several
-modules (tied embeddings), to the one called first. Each such *using module* is one layer,
-numbered in call order; waiting for a layer's parameters in that module's forward pre-hook
-is then early enough for every read of them.
+called during the first forward pass, and a torch function mode records, for every
+parameter, the module running (innermost) when an operation first reads it. That module
+is the parameter's *using module*: its owner for a plain layer; the parent that reads it
+where the owner is never called (``nn.MultiheadAttention`` reads ``out_proj.weight``);
+the first caller of a tied one; the model itself for a weight its forward reads before
+calling the owner. A parameter read in no operation of the forward (one the loss alone
+reads) belongs to its owner, or to the owner's nearest called ancestor. Each using module
+is one layer, numbered in call order; waiting for a layer's parameters in a forward
+pre-hook that runs before the module's other pre-hooks (``prepend``: a hook-based
+``spectral_norm`` reads ``weight_orig`` in one) is then early enough for every read.
 
 Example:
     >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch  # noqa: F401 - used by the doctest
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass(frozen=True)
@@ -42,22 +48,59 @@ class Layers:
 
 
 class LayerOrder:
-    """Records module call order during the next forward; :meth:`finish` assigns layers."""
+    """Records the next forward: module call order and each parameter's first reader;
+    :meth:`finish` assigns the layers."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._calls: dict[int, int] = {}
-        self._handles = [m.register_forward_pre_hook(self._record) for m in model.modules()]
+        self._calls: dict[int, int] = {}  # id(module) → call index
+        self._running: list[int] = []  # ids of the modules in forward, innermost last
+        self._unread = {id(p) for p in model.parameters() if p.requires_grad}
+        self._first_reader: dict[int, int] = {}  # id(param) → id(module)
+        self._reads = _FirstReads(self)
+        self._recording = True
+        self._handles = []
+        for module in model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
-    def _record(self, module: nn.Module, _args: Any) -> None:
+    def _enter(self, module: nn.Module, _args: Any) -> None:
+        if not self._recording:
+            return
         self._calls.setdefault(id(module), len(self._calls))
+        if module is self.model:
+            self._reads.__enter__()
+        self._running.append(id(module))
+
+    def _leave(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        if not self._recording or not self._running:
+            return
+        self._running.pop()
+        if module is self.model:  # the first forward is over
+            self._reads.__exit__(None, None, None)
+            self._recording = False
+
+    def read(self, tensors: list[Any]) -> None:
+        """An operation in forward reads ``tensors``: note the first reader of each
+        parameter among them."""
+        for tensor in tensors:
+            key = id(tensor)
+            if key in self._unread and self._running:
+                self._unread.discard(key)
+                self._first_reader[key] = self._running[-1]
 
     def finish(self) -> Layers:
         """Remove the recording hooks and number the layers of the trainable parameters."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._recording and self._running:  # finished inside the forward (it raised)
+            self._reads.__exit__(None, None, None)
+        self._recording = False
         modules = dict(self.model.named_modules(remove_duplicate=False))
+        name_of: dict[int, str] = {}
+        for module_name, module in modules.items():
+            name_of.setdefault(id(module), module_name)
         calls = self._calls
         owners: dict[int, list[str]] = {}
         for module_name, module in modules.items():
@@ -73,6 +116,9 @@ class LayerOrder:
         for param_name, param in self.model.named_parameters():
             if not param.requires_grad:
                 continue
+            if id(param) in self._first_reader:
+                users[param_name] = name_of[self._first_reader[id(param)]]
+                continue
             called = [n for n in owners[id(param)] if id(modules[n]) in calls]
             if called:
                 users[param_name] = min(called, key=lambda n: calls[id(modules[n])])
@@ -85,6 +131,21 @@ class LayerOrder:
             names=[n or "(model)" for n in order],
             modules=[modules[n] for n in order],
         )
+
+
+class _FirstReads(TorchFunctionMode):
+    """Passes every operation of the forward through, telling ``order`` what it reads."""
+
+    def __init__(self, order: LayerOrder) -> None:
+        super().__init__()
+        self.order = order
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        self.order.read(tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
 
 
 __all__ = ["LayerOrder", "Layers"]

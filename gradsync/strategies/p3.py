@@ -304,7 +304,9 @@ class PriorityPropagation(ServerStrategy):
         self._remaining = [0] * layers.num_layers
         self._layer_names = layers.names
         for layer, module in enumerate(layers.modules):
-            module.register_forward_pre_hook(lambda _m, _a, layer=layer: self._wait_for(layer))
+            module.register_forward_pre_hook(  # before the module's own pre-hooks read
+                lambda _m, _a, layer=layer: self._wait_for(layer), prepend=True
+            )
         self.layers = layers
         if self.worker == 0:
             print(

@@ -8,7 +8,10 @@
 - a never-used parameter, a frozen layer, a 0-dim scale, a non-contiguous weight;
 - BatchNorm without affine parameters, reached under a second name, and BatchNorm without
   running statistics on a 3-d ``(N, C, L)`` input;
-- a loss that reads a parameter itself (an L2 penalty written in the loss).
+- a loss that reads a parameter itself (an L2 penalty written in the loss);
+- a layer whose bias forward reads before calling the layer, and whose weight is the
+  hook-based ``spectral_norm`` (a forward pre-hook of its own reads ``weight_orig``):
+  strategies that wait for a layer's parameters must wait before either read.
 
 ``build_sparse`` (sparse gradients, so no weight decay: torch's SGD refuses it there):
 
@@ -65,18 +68,20 @@ class DenseAdversary(nn.Module):
         self.gated = nn.Linear(DIM, DIM)
         self.frozen = nn.Linear(DIM, DIM).requires_grad_(False)
         self.never_used = nn.Parameter(torch.randn(3))
+        self.late = nn.utils.spectral_norm(nn.Linear(DIM, DIM))  # a pre-hook reads it
         self.out = nn.Linear(DIM, VOCAB)
         self.out.weight = self.embed.weight  # tied
 
     def forward(self, x: Tensor) -> Tensor:
         ids, gate = x[:, 0].long(), x[:, 1] > GATE
-        h = self.embed(ids) + self.features(x[:, 1:])
+        shift = torch.tanh(self.late.bias).mean()  # read long before self.late runs
+        h = self.embed(ids) + self.features(x[:, 1:]) + shift
         h = self.norm_alias(h)
         n = h.shape[0]
         h = self.norm_batch_only(h.view(n, DIM // 2, 2)).view(n, DIM)
         h = torch.tanh(F.linear(h, self.mix)) * self.scale
         h = _gated(h, gate, self.gated, h)
-        return self.out(self.frozen(h))
+        return self.out(self.frozen(self.late(h)))
 
 
 class SparseAdversary(nn.Module):

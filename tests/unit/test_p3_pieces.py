@@ -116,6 +116,29 @@ def test_layer_order_of_the_transformer_handles_tied_and_uncalled_owners() -> No
     assert set(layers.layer_of) == {n for n, _ in workload.model.named_parameters()}
 
 
+def test_a_parameter_read_before_its_layer_runs_belongs_to_the_reader() -> None:
+    """A weight the model's forward reads before calling its owner, and a hook-based
+    spectral_norm whose pre-hook reads ``weight_orig``: each parameter's layer is the
+    module running at its first read, so a wait in that layer's pre-hook comes first."""
+
+    class EarlyRead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(2, 3)
+            self.head = nn.utils.spectral_norm(nn.Linear(3, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            shift = self.head.bias.sum()  # read before self.first and self.head run
+            return self.head(self.first(x)) + shift
+
+    layers = _first_forward(EarlyRead(), torch.ones(1, 2))
+    assert layers.names == ["(model)", "first", "head"]
+    assert layers.layer_of == {
+        "first.weight": 1, "first.bias": 1, "head.bias": 0, "head.weight_orig": 2
+    }  # fmt: skip
+    assert not torch.overrides._is_torch_function_mode_enabled()  # the recording mode left
+
+
 def _blocking_sender(fifo: bool):
     """A sender whose first send blocks until released: everything queued meanwhile waits."""
     release, sent = threading.Event(), []
