@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedParameter
 
 from gradsync.comm.batchnorm import unconvertible_batchnorm
 from gradsync.config import TrainConfig
@@ -20,9 +21,10 @@ from gradsync.metrics import load_summary
 from gradsync.models import check_model, shared_workloads, workload_of
 from gradsync.models.user import check_user_step, is_user_model
 from gradsync.netem import place_ranks
+from gradsync.probe import lookup_tables
 from gradsync.resume import check_resume, checkpoint_step, resumable
 from gradsync.rundir import check_writable, claim_output_file, claim_run_dir
-from gradsync.strategies import check_strategy, world_size_of
+from gradsync.strategies import check_strategy, strategy_class, world_size_of
 
 LOG_FILE = "stdout.log"
 
@@ -55,9 +57,9 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
     # Built here (milliseconds for the zoo) so that bad data and a batch the workers cannot
     # share are refused before the run folder is claimed, not by the ranks after launch.
     workload = workload_of(config)
+    _check_parameters_and_layers(config, workload.model)  # before a forward materializes any
     if is_user_model(config.model):
-        check_user_step(config.model, workload)
-    _check_parameters_and_layers(config, workload.model)
+        _check_edits_last(config, check_user_step(config.model, workload))
     if not one_rank and config.global_batch is None and workload.global_batch % config.workers:
         batch, workers = workload.global_batch, config.workers
         raise UserError(
@@ -68,8 +70,25 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
 
 
 def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) -> None:
-    """What no strategy can train right: complex parameters, and BatchNorm layers with a
-    forward of their own under global BatchNorm."""
+    """What no strategy can train right: complex parameters, parameters a lazy module has
+    not made yet, lookup tables that renormalize the rows a batch reads (``max_norm``), and
+    BatchNorm layers with a forward of their own under global BatchNorm."""
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, UninitializedParameter)]
+    if lazy and config.strategy != "single":
+        raise UserError(
+            f"parameter {lazy[0]} is not made yet (a lazy module, such as nn.LazyLinear): "
+            "every strategy sizes its buffers and shares the initial values before the first "
+            "forward; run one forward on an example input in your build function"
+        )
+    if config.workers > 1:
+        renormalized = [n for n, t in lookup_tables(model).items() if t.max_norm is not None]
+        if renormalized:
+            raise UserError(
+                f"lookup table {renormalized[0]} has max_norm: forward renormalizes the rows "
+                "a batch reads, in place, so each worker would renormalize only its shard's "
+                "rows and the copies would drift apart; leave max_norm unset (scale the rows "
+                "looked up instead, which changes no parameter)"
+            )
     complex_params = [(n, p.dtype) for n, p in model.named_parameters() if p.is_complex()]
     if complex_params:
         name, dtype = complex_params[0]
@@ -82,6 +101,20 @@ def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) ->
         problem = unconvertible_batchnorm(model)
         if problem:
             raise UserError(problem)
+
+
+def _check_edits_last(config: TrainConfig, edited: set[str]) -> None:
+    """UserError when the model changes in place, during forward, a parameter whose values
+    the strategy's servers hold: the servers never see the change."""
+    lost = sorted(edited & strategy_class(config.strategy).held_by_servers(config))
+    if lost:
+        raise UserError(
+            f"the model changes parameter {lost[0]} in place during forward (a clamp_ under "
+            f"no_grad, say), but under {config.strategy} its values live on the servers, "
+            "which overwrite each worker's copy every step, so the change would be lost; "
+            "compute with a changed copy instead (F.linear(x, w.clamp(-c, c))), or train with "
+            "allreduce or ddp"
+        )
 
 
 def check_every_host_used(config: TrainConfig) -> None:

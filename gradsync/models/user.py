@@ -227,9 +227,10 @@ class MapStyleSamples(IndexedSamples):
         return Batch(inputs=tuple(inputs), targets=targets)
 
 
-def check_user_step(name: str, workload: Workload) -> None:
+def check_user_step(name: str, workload: Workload) -> set[str]:
     """Run one forward pass and loss on two samples; UserError unless the loss is a scalar
-    tensor that has a gradient. Runs in the launcher, before any rank starts.
+    tensor that has a gradient. Runs in the launcher, before any rank starts. Returns the
+    trainable parameters the forward or the loss changed in place (their version moved).
 
     Example:
         >>> # check_user_step("my_model.py:build", build_user_workload(name, request))
@@ -241,6 +242,8 @@ def check_user_step(name: str, workload: Workload) -> None:
     except Exception as error:  # the user's __getitem__, or items that do not stack
         message = f"user model {name}'s dataset failed to give a batch of 2 samples"
         raise UserError(f"{message}: {_describe(error)}"[:400]) from None
+    params = [(n, p) for n, p in workload.model.named_parameters() if p.requires_grad]
+    versions = [p._version for _, p in params]
     try:
         output = workload.model(*batch.inputs, **batch.shared)
         loss = workload.loss(output, batch.targets)
@@ -259,3 +262,4 @@ def check_user_step(name: str, workload: Workload) -> None:
             f"user model {name}'s loss has no gradient (it does not depend on the parameters, "
             "or was computed under no_grad / with .item()); return a tensor from the model's output"
         )
+    return {n for (n, p), v in zip(params, versions, strict=True) if p._version != v}

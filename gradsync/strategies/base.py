@@ -121,6 +121,12 @@ class Strategy(ABC):
         """Extra ranks besides the workers that this strategy needs."""
         return 0
 
+    @classmethod
+    def held_by_servers(cls, config: TrainConfig) -> set[str]:
+        """The parameters whose values servers hold: each worker's copy is overwritten with
+        the servers' every step, so a change a worker makes to it in place never lasts."""
+        return set()
+
     def checkpoint_state(self) -> tuple[nn.Module, torch.optim.Optimizer] | None:
         """The model and optimizer holding the authoritative state on this rank, or None.
 
@@ -205,6 +211,14 @@ class ServerStrategy(Strategy):
 
     server_ranks: list[int]  # server s → its global rank (the worker's own when colocated)
     _step: int  # on a worker: steps done, the number of its next push
+
+    @classmethod
+    def held_by_servers(cls, config: TrainConfig) -> set[str]:
+        """Every trainable parameter (``hybrid`` keeps only its sparse tables there)."""
+        from gradsync.models import workload_of
+
+        model = workload_of(config).model
+        return {name for name, param in model.named_parameters() if param.requires_grad}
 
     def restore_state(self, tensors: dict[str, torch.Tensor], steps_done: int) -> None:
         """Every worker takes the checkpoint's values (its first forward reads them) and

@@ -231,6 +231,11 @@ class Hybrid(ServerStrategy):
         return config.strategy_options.extra_ranks(config.workers)
 
     @classmethod
+    def held_by_servers(cls, config: TrainConfig) -> set[str]:
+        """The sparse tables (the dense variables are allreduced among the workers)."""
+        return {n for n, kind in _classify_config(config.to_json()) if kind == "sparse"}
+
+    @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         kinds = dict(_classify_config(config.to_json()))
         sparse = [n for n, k in kinds.items() if k == "sparse"]

@@ -496,3 +496,78 @@ def test_the_probe_leaves_no_gradient_on_the_model_a_loss_reads():
     )
     assert missing == set()  # the loss reads loose: it gets a gradient, in the real model
     assert all(param.grad is None for param in model.parameters())
+
+
+EDITS_IN_FORWARD = """
+    import torch
+    from torch import nn
+
+    def items():
+        return [(torch.randint(0, 6, (2,)), torch.tensor(i % 2)) for i in range(16)]
+
+    class Clamped(nn.Module):
+        def __init__(self, max_norm=None):
+            super().__init__()
+            self.table = nn.Embedding(6, 4, max_norm=max_norm, sparse=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, ids):
+            with torch.no_grad():
+                self.head.weight.clamp_(-0.2, 0.2)  # a projection inside forward
+            return self.head(self.table(ids).mean(1))
+
+    def clamped():
+        return Clamped(), items(), nn.functional.cross_entropy
+
+    def renormalized():
+        return Clamped(max_norm=1.0), items(), nn.functional.cross_entropy
+
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.LazyLinear(2)
+
+        def forward(self, ids):
+            return self.layer(ids.double().to(torch.get_default_dtype()))
+
+    def lazy():
+        return Lazy(), items(), nn.functional.cross_entropy
+"""
+
+
+@pytest.mark.parametrize(
+    ("build", "strategy", "words"),
+    [
+        # The servers hold the parameters and overwrite each worker's copy every step.
+        ("clamped", "ps", "changes parameter head.weight in place during forward"),
+        ("clamped", "p3", "changes parameter head.weight in place during forward"),
+        # Each worker would renormalize only the rows of its own shard.
+        ("renormalized", "allreduce", "lookup table table.weight has max_norm"),
+        ("renormalized", "ddp", "lookup table table.weight has max_norm"),
+        # Buffers are sized and initial values shared before the first forward.
+        ("lazy", "allreduce", "parameter layer.weight is not made yet"),
+    ],
+)
+def test_models_whose_parameters_change_outside_training_are_refused(
+    tmp_path, build, strategy, words
+):
+    """Silently wrong before session 25: an in-place change in forward was lost under the
+    server strategies, max_norm drifted the workers' tables apart under every strategy,
+    and a lazy module crashed the strategies with a traceback."""
+    from gradsync.jobs import validate
+
+    path = _write(tmp_path, "edits.py", EDITS_IN_FORWARD)
+    config = TrainConfig(model=f"{path}:{build}", strategy=strategy, workers=2, global_batch=8)
+    with pytest.raises(UserError, match=words):
+        validate(config)
+
+
+def test_an_edit_in_forward_that_the_workers_keep_is_allowed(tmp_path):
+    """Under allreduce every worker makes the same data-independent change to its own copy,
+    as single does (verify matches); hybrid keeps only sparse tables on its servers."""
+    from gradsync.jobs import validate
+
+    path = _write(tmp_path, "edits.py", EDITS_IN_FORWARD)
+    for strategy in ("allreduce", "hybrid"):
+        validate(TrainConfig(model=f"{path}:clamped", strategy=strategy, workers=2, global_batch=8))
+    validate(TrainConfig(model=f"{path}:lazy", strategy="single", global_batch=8))
