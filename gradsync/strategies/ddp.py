@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.comm.counters import tensor_bytes
+from gradsync.comm.ready import ReadyOnce
 from gradsync.config import TrainConfig
 from gradsync.data.base import shard_bounds
 from gradsync.errors import UserError
@@ -98,6 +99,17 @@ class NativeDDP(Strategy):
             bucket_cap_mb=context.config.strategy_options.bucket_cap_mb,
         )
         wrapped.register_comm_hook(context.worker_group, self._counting_allreduce)
+        # torch's reducer takes a gradient accumulated twice in one backward (reentrant
+        # checkpointing around a parameter used outside the segment) without a word, and
+        # its parameters come out wrong: refuse it as gradsync's own strategies do.
+        self._ready = ReadyOnce(
+            "ddp", "--strategy ps --no-overlap (it reads gradients after backward)"
+        )
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(
+                    lambda _p, name=name: self._ready.mark(name)
+                )
         self.updater = context.make_updater(model.parameters())
         self._buffer_bytes = sum(tensor_bytes(b) for b in model.buffers())
         return wrapped if find_unused else _UnusedParameterHint(wrapped)
@@ -134,6 +146,7 @@ class NativeDDP(Strategy):
     def step(self) -> None:
         assert self.updater is not None and self.context is not None
         # DDP has already averaged the gradients during backward.
+        self._ready.reset()
         self._count_buffer_broadcast()
         self.updater.update()
 

@@ -352,13 +352,14 @@ def test_local_batchnorm_is_an_expected_difference(workdir: Path) -> None:
 
 @pytest.mark.parametrize(
     ("strategy", "refused"),
-    [("allreduce", True), ("ps", True), ("p3", True), ("ps --no-overlap", False)],
+    [("allreduce", True), ("ps", True), ("p3", True), ("ddp", True), ("ps --no-overlap", False)],
 )
 def test_a_gradient_accumulated_twice_is_refused_where_hooks_send_it(
     strategy: str, refused: bool, workdir: Path
 ) -> None:
     """Reentrant checkpointing accumulates a shared layer's gradient twice in one backward:
-    a strategy that sends from gradient hooks stops with the reason, never drops half."""
+    a strategy that sends from gradient hooks stops with the reason, never drops half.
+    torch's DDP reducer took it silently, with wrong parameters (session 25's probe)."""
     result = gradsync(
         "train",
         *("--model", f"{ADVERSARIAL}:build_reentrant", "--strategy", *strategy.split()),
