@@ -5,6 +5,10 @@
 # its own plan's cells in WORK). Writes the log, validation.md, cells.jsonl and a tarball
 # of profiles and calibrations under OUT.
 #   OUT=/tmp/v LIMIT=480 bash benchmarks/device_validation.sh
+# Needs root, ip and tc. The lent machines' image has no iproute2 (session 25): copy this
+# machine's ip and tc, and the libraries ldd lists for them that the image lacks (libbpf,
+# libmnl, libbsd, libxtables, libmd), into an ignored folder, carry it, and put it first
+# on PATH and LD_LIBRARY_PATH in the command.
 set -u
 OUT=${OUT:-device-validation}
 WORK=${WORK:-/tmp/device-validation}
