@@ -212,15 +212,6 @@ def check_writable(path: Path, *, flag: str = "--out") -> None:
         ) from None
 
 
-__all__ = [
-    "RUN_MARKERS",
-    "check_writable",
-    "claim_output_file",
-    "claim_resumable_dir",
-    "claim_run_dir",
-]
-
-
 def record_failure(folder: Path, error: Exception) -> str:
     """Keep a failed job's whole error (the ranks' last stderr lines) in
     ``folder/failure.txt`` and return its most telling line, for a report's one row.
@@ -240,3 +231,13 @@ def record_failure(folder: Path, error: Exception) -> str:
         with contextlib.suppress(OSError):  # the report's line still says what failed
             atomic_write_text(folder / FAILURE_FILE, f"{error}\n")
     return one_line(error)
+
+
+__all__ = [
+    "RUN_MARKERS",
+    "check_writable",
+    "claim_output_file",
+    "claim_resumable_dir",
+    "claim_run_dir",
+    "record_failure",
+]

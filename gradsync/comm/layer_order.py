@@ -94,9 +94,7 @@ class LayerOrder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._recording and self._running:  # finished inside the forward (it raised)
-            self._reads.__exit__(None, None, None)
-        self._recording = False
+        self._recording = False  # the root's forward hook (always called) left the mode
         modules = dict(self.model.named_modules(remove_duplicate=False))
         name_of: dict[int, str] = {}
         for module_name, module in modules.items():
