@@ -232,7 +232,10 @@ def server_holdings(
 
 
 def _measured(variable: VariableProfile) -> bool:
-    return variable.apply_s_per_row > 0
+    """Whether the profile timed the server's row work (session 19 on). The call's fixed
+    cost is always above zero when timed; a per-row cost can be zero (below the clock's
+    resolution once the call's cost is taken off, on a few rows)."""
+    return variable.apply_call_s > 0 or variable.apply_s_per_row > 0
 
 
 def _update_cpu_s(

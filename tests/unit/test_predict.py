@@ -348,6 +348,11 @@ def test_hybrid_gathers_rows_on_the_host_then_pushes_updates_and_answers_each_pu
     alone = predict_step(profile_of([table]), cluster, StrategyChoice("hybrid", without))
     summed = 2 * 10 * 1e-3  # the server now adds two pushers' lists
     assert alone.step_s == pytest.approx(3.0 + push + summed + update + answers + pull)
+    # An update per row below the clock's resolution (zero once a call's cost is taken
+    # off) is still a measured profile: priced per row and per partition.
+    fast = dataclasses.replace(table, apply_s_per_row=0.0)
+    step = predict_step(profile_of([fast]), cluster, StrategyChoice("hybrid", HybridOptions()))
+    assert step.step_s == pytest.approx(3.0 + gather + push + 0.1 + answers + pull)
 
 
 def test_hybrids_worker_updates_its_dense_variables_at_their_measured_cost() -> None:

@@ -47,11 +47,13 @@ def test_sparse_rows_are_profiled() -> None:
     assert 0 < sparse["embedding.weight"].rows_touched <= sparse["embedding.weight"].num_rows
     assert sparse["embedding.weight"].densify_s > 0  # timed: making the gradient dense
     assert all(v.densify_s == 0 for v in profile.dense_variables)
-    # hybrid's server work on those rows, timed with the server's code: sum, update, read.
-    for times in (
-        (v.merge_s_per_row, v.apply_s_per_row, v.read_s_per_row) for v in sparse.values()
-    ):
-        assert all(t > 0 for t in times)
+    # hybrid's server work on those rows, timed with the server's code: sum, update, read,
+    # a read's and an update's fixed cost per call. The update and the read are per row
+    # less that fixed cost: on a tiny table's few rows they can be below the clock's
+    # resolution, and count as measured all the same (test_predict.py prices them).
+    for v in sparse.values():
+        assert v.merge_s_per_row > 0 and v.apply_call_s > 0 and v.read_call_s > 0
+        assert v.apply_s_per_row >= 0 and v.read_s_per_row >= 0
     assert all(v.apply_s_per_row == 0 for v in profile.dense_variables)
     assert profile.dense_optimizer_s > 0  # the LSTM's update alone, as hybrid's worker runs it
     bins = sparse["embedding.weight"].row_bins  # where the rows lie: 16 ranges, shares
