@@ -21,15 +21,15 @@ functions, so a knob means the same thing here as in ``gradsync train``:
   aggregation), and pulled in one round trip before the next forward, once the dense
   update is done and the servers have applied.
 - ``p3``: slices (:func:`gradsync.comm.slicing.slice_variables`) queued when their gradient
-  is ready and sent most urgent layer first, at most ``SEND_WINDOW`` in flight; a server
-  answers a slice once every worker's is in and applied; the next forward of layer i waits
-  only for layer i's slices. Simulated event by event over three steps (the last is the
-  steady state).
+  is ready and sent most urgent layer first, at most ``SEND_WINDOW`` in flight, by each
+  worker's own sender; a server applies a slice once every worker's copy is in and answers
+  the workers in turn; the next forward of layer i waits only for layer i's slices.
+  Simulated event by event, worker by worker (:mod:`gradsync.predict.p3`).
 
 Links are full duplex unless the network says otherwise: where point-to-point transfers
 crossing a link both ways at once were measured slower (``Network.duplex_slowdown``, from
-commbench's ``exchange``), ``ps`` and ``p3`` transfers also hold the opposite direction for
-part of their time.
+commbench's ``exchange``), ``ps``'s and ``p3``'s transfers slow the opposite direction
+while both are busy.
 Where the hosts share cores (``Cluster.shared_cores``) the CPU time of communication and of
 the servers that overlaps compute lengthens it (:func:`shared_core_stretch`).
 
@@ -53,32 +53,21 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.predict.links import SharedLinks
 from gradsync.predict.network import Cluster
+from gradsync.predict.p3 import simulate_p3
+from gradsync.predict.parts import (
+    COMM_TRACK,
+    COMPUTE_TRACK,
+    SERVER_TRACK,
+    Pipe,
+    Span,
+    densified,
+    with_server_layout,
+)
 from gradsync.predict.profile import Profile, VariableProfile
 from gradsync.predict.sparse_rounds import INDEX_BYTES, rows_cpu_s, sparse_round
 from gradsync.strategies.allreduce import AllreduceOptions
 from gradsync.strategies.hybrid import HybridOptions
-from gradsync.strategies.p3 import P3Options
 from gradsync.strategies.ps import PSOptions
-
-COMPUTE_TRACK, COMM_TRACK, SERVER_TRACK = "compute", "communication", "server 0"
-
-
-@dataclass(frozen=True)
-class Span:
-    """One predicted activity on a track, seconds from the step's start. A communication
-    span also says what it moves over the whole job (``num_bytes`` sent between ranks,
-    ``messages``; ``wire``: through the server transport, not a collective): the CPU work
-    it costs where hosts share cores. A server span's ``cpu_s`` is its CPU time where that
-    is less than its duration (a server on shared cores; None: the duration)."""
-
-    track: str
-    name: str
-    start: float
-    duration: float
-    num_bytes: float = 0.0
-    messages: int = 0
-    wire: bool = False
-    cpu_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -236,28 +225,6 @@ def _lengthen_backward(profile: Profile, extra_s: float) -> Profile:
     stretch = _stretch_factor(profile.backward_s, extra_s)
     ready = tuple(replace(v, grad_ready_s=v.grad_ready_s * stretch) for v in profile.variables)
     return replace(profile, backward_s=profile.backward_s + extra_s, variables=ready)
-
-
-def densified(profile: Profile) -> Profile:
-    """``profile`` as a strategy that makes sparse gradients dense in the backward hook runs
-    it: each sparse variable's measured ``densify_s`` delays its own gradient and every one
-    ready after it, and lengthens backward.
-
-    Example:
-        >>> # densified(lstm_profile).backward_s  # + 2 × ~20 ms for two 40 MB tables
-    """
-    costs = [(v.grad_ready_s, v.densify_s) for v in profile.sparse_variables if v.densify_s]
-    if not costs:
-        return profile
-
-    def delay(ready_s: float) -> float:
-        return sum(seconds for at, seconds in costs if at <= ready_s)
-
-    variables = tuple(
-        replace(v, grad_ready_s=v.grad_ready_s + delay(v.grad_ready_s)) for v in profile.variables
-    )
-    total = sum(seconds for _, seconds in costs)
-    return replace(profile, backward_s=profile.backward_s + total, variables=variables)
 
 
 def shared_core_stretch(spans: list[Span] | tuple[Span, ...], cluster: Cluster) -> float:
@@ -539,14 +506,6 @@ def simulate_ddp(
 # -- parameter servers ---------------------------------------------------------------------
 
 
-def _with_layout(cluster: Cluster, servers: int, *, colocate: bool) -> Cluster:
-    """``cluster`` with the strategy's server layout; an explicit one (validation) is kept
-    when it already matches."""
-    if cluster.servers == servers and cluster.colocate == colocate:
-        return cluster
-    return cluster.with_servers(servers, colocate=colocate)
-
-
 def _ps_placement(profile: Profile, servers: int, options: PSOptions) -> Any:
     from gradsync.comm.placement import Variable, plan_placement
 
@@ -599,7 +558,7 @@ def simulate_ps(
     options = options or PSOptions()
     profile = densified(profile)  # every variable is pushed dense
     servers = options.num_servers(cluster.workers)
-    cluster = _with_layout(cluster, servers, colocate=options.colocate)
+    cluster = with_server_layout(cluster, servers, colocate=options.colocate)
     if options.asynchronous:
         return _simulate_async_ps(profile, cluster, options, servers)
     return _simulate_sync_ps(profile, cluster, plan_ps_chunks(profile, servers, options))
@@ -615,7 +574,7 @@ def _simulate_sync_ps(
     spans = [Span(COMPUTE_TRACK, "FORWARD", 0.0, profile.forward_s)]
     links = SharedLinks(cluster)
     per_byte_apply = profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
-    server_cpu = [_Pipe() for _ in range(cluster.servers)]
+    server_cpu = [Pipe() for _ in range(cluster.servers)]
     backward_start = profile.forward_s
     shift = 0.0
     # Transfers start in time order (a heap); the links say when each is in.
@@ -670,34 +629,6 @@ def _wire_span(
     return Span(
         COMM_TRACK, name, start, duration, remote * transfer.num_bytes, messages * remote, True
     )
-
-
-class _Pipe:
-    """A first-come-first-served resource: a server's CPU, a link direction."""
-
-    def __init__(self) -> None:
-        self.free = 0.0
-
-    def hold(self, ready: float, duration: float) -> float:
-        """Take the pipe for ``duration`` once it is free and ``ready`` has come; return
-        when it is released."""
-        start = max(ready, self.free)
-        self.free = start + duration
-        return self.free
-
-    def transfer(self, ready: float, seconds: float, opposite: _Pipe, slowdown: float) -> float:
-        """Send a point-to-point transfer of ``seconds`` over this link direction; return
-        when it has crossed.
-
-        Where the network is not fully duplex (``slowdown``: the measured
-        ``Network.duplex_slowdown`` d > 1 of a transfer this long), the transfer also holds
-        the ``opposite`` direction of the same link for (d − 1)·``seconds`` from ``ready``:
-        two equal transfers the opposite ways then take d·t together, one alone t.
-        """
-        crossed = self.hold(ready, seconds)
-        if slowdown > 1.0:
-            opposite.hold(ready, (slowdown - 1.0) * seconds)
-        return crossed
 
 
 def _simulate_async_ps(
@@ -767,7 +698,9 @@ def simulate_hybrid(
         end, spans, moved = profile.compute_s, _phase_spans(profile, []), 0.0
     if not profile.sparse_variables:
         return end, spans, moved
-    cluster = _with_layout(cluster, options.num_servers(cluster.workers), colocate=options.colocate)
+    cluster = with_server_layout(
+        cluster, options.num_servers(cluster.workers), colocate=options.colocate
+    )
     work = sparse_round(profile, cluster, options)
     backward = next(s for s in spans if s.name == "BACKWARD")
     gathered = backward.start + backward.duration + work.gather_s
@@ -790,261 +723,6 @@ def simulate_hybrid(
         rows = Span(COMM_TRACK, name, gathered - work.gather_s, work.gather_s)
         spans.append(replace(rows, num_bytes=work.gather_bytes))
     return pull_start + answered + work.pull_s, spans, moved + work.moved
-
-
-# -- p3 ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _SliceJob:
-    ready: float
-    priority: int
-    seq: int
-    layer: int
-    server: int
-    num_bytes: float
-
-
-def simulate_p3(
-    profile: Profile, cluster: Cluster, options: P3Options | None
-) -> tuple[float, list[Span], float]:
-    from gradsync.comm.slicing import slice_variables
-
-    options = options or P3Options()
-    profile = densified(profile)  # each slice is cut from the dense gradient
-    servers = options.num_servers(cluster.workers)
-    cluster = _with_layout(cluster, servers, colocate=options.colocate)
-    variables = {v.name: v for v in profile.variables}
-    slices = slice_variables(
-        [(v.name, v.numel) for v in profile.variables],
-        slice_size=options.slice_size if options.slicing else None,
-        num_servers=servers,
-    )
-    layer_seconds = _layer_durations(profile)
-    ready = [0.0] * len(layer_seconds)
-    ends: list[float] = []
-    spans: list[Span] = []
-    start = 0.0
-    for _ in range(3):  # steady state: the third step's length
-        spans = []
-        backward_start = _forward_with_waits(start, ready, layer_seconds, spans)
-        backward_end = backward_start + profile.backward_s
-        spans.append(Span(COMPUTE_TRACK, "BACKWARD", backward_start, profile.backward_s))
-        jobs = [
-            _SliceJob(
-                ready=backward_start + variables[s.name].grad_ready_s,
-                priority=variables[s.name].layer if options.priority else 0,
-                seq=s.index,
-                layer=variables[s.name].layer,
-                server=s.server,
-                num_bytes=s.numel * variables[s.name].element_size,
-            )
-            for s in slices
-        ]
-        ready = _p3_transfers(
-            jobs, cluster, profile, len(layer_seconds), spans, options.slices_per_message
-        )
-        ends.append(backward_end)
-        start = backward_end
-    step = ends[-1] - ends[-2]
-    origin = ends[-2]
-    shifted = [replace(s, start=s.start - origin) for s in spans]
-    return step, shifted, 2.0 * profile.num_bytes
-
-
-def _layer_durations(profile: Profile) -> list[float]:
-    starts = [layer.forward_start_s for layer in profile.layers] + [profile.forward_s]
-    head = starts[0]  # work before the first layer (input copies) counts with layer 0
-    durations = [max(0.0, b - a) for a, b in itertools.pairwise(starts)]
-    if durations:
-        durations[0] += head
-    return durations or [profile.forward_s]
-
-
-def _forward_with_waits(
-    start: float, ready: list[float], seconds: list[float], spans: list[Span]
-) -> float:
-    """Run the layers in order, each after its parameters are back; return the end."""
-    now = start
-    for layer, duration in enumerate(seconds):
-        if ready[layer] > now:
-            spans.append(Span(COMPUTE_TRACK, f"WAIT layer{layer}", now, ready[layer] - now))
-            now = ready[layer]
-        spans.append(Span(COMPUTE_TRACK, f"FORWARD layer{layer}", now, duration))
-        now += duration
-    return now
-
-
-@dataclass(frozen=True)
-class _Bundle:
-    """Slices for one server that travel as one message (each way)."""
-
-    jobs: list[_SliceJob]
-
-    @property
-    def server(self) -> int:
-        return self.jobs[0].server
-
-    @property
-    def num_bytes(self) -> float:
-        return sum(job.num_bytes for job in self.jobs)
-
-    @property
-    def messages(self) -> int:
-        """Per copy: a header and the values, and a manifest when several share it."""
-        return 2 if len(self.jobs) == 1 else 3
-
-
-def _take_bundles(
-    waiting: list[tuple[int, int, _SliceJob]], room: int, limit: int
-) -> list[_Bundle]:
-    """As the sender takes them: the most urgent slice, then the slices right behind it,
-    at most ``room`` in all and ``limit`` for one server; one bundle per server.
-
-    Example:
-        >>> jobs = [_SliceJob(0.0, p, p, p, server, 1.0) for p, server in enumerate([0, 1, 0, 0])]
-        >>> waiting = [(job.priority, job.seq, job) for job in jobs]
-        >>> [[j.seq for j in b.jobs] for b in _take_bundles(waiting, 4, 2)], len(waiting)
-        ([[0, 2], [1]], 1)
-    """
-    taken = [heapq.heappop(waiting)[2]]
-    counts = {taken[0].server: 1}
-    while waiting and len(taken) < room and counts.get(waiting[0][2].server, 0) < limit:
-        job = heapq.heappop(waiting)[2]
-        counts[job.server] = counts.get(job.server, 0) + 1
-        taken.append(job)
-    per_server: dict[int, list[_SliceJob]] = {}
-    for job in taken:
-        per_server.setdefault(job.server, []).append(job)
-    return [_Bundle(jobs) for jobs in per_server.values()]
-
-
-class _P3Path:
-    """The pipes a P3 slice crosses: the worker's link each way, each server's link each way
-    and each server's CPU, reserved first come, first served."""
-
-    def __init__(self, cluster: Cluster, profile: Profile, slices_per_message: int) -> None:
-        self.cluster, self.profile, self.net = cluster, profile, cluster.network
-        self.limit = slices_per_message
-        self.out_factor = cluster.busiest_worker_host()
-        self.remote = [cluster.remote_workers(s) for s in range(cluster.servers)]
-        self.worker_out, self.worker_in = _Pipe(), _Pipe()
-        self.server_in = [_Pipe() for _ in range(cluster.servers)]
-        self.server_out = [_Pipe() for _ in range(cluster.servers)]
-        self.server_cpu = [_Pipe() for _ in range(cluster.servers)]
-        self.per_byte_apply = (
-            profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
-        )
-        self.slowdown = cluster.server_slowdown
-
-    def push(self, now: float, bundle: _Bundle) -> float:
-        """Send ``bundle`` from every worker at ``now``; return when it is in."""
-        return self._cross(now, bundle.server, bundle.num_bytes, to_server=True)
-
-    def _cross(self, ready: float, server: int, num_bytes: float, *, to_server: bool) -> float:
-        """``num_bytes`` between every worker and ``server``, toward the server (a push) or
-        back (an answer), holding the opposite directions too where the link is not fully
-        duplex; return when they are across."""
-        net = self.net
-        worker_pipes = (self.worker_out, self.worker_in)
-        server_pipes = (self.server_in[server], self.server_out[server])
-        if not to_server:
-            worker_pipes, server_pipes = worker_pipes[::-1], server_pipes[::-1]
-        worker_s = self.out_factor * num_bytes / net.rate
-        server_s = self.remote[server] * num_bytes / net.rate
-        at_worker = worker_pipes[0].transfer(
-            ready, worker_s, worker_pipes[1], net.duplex_slowdown(worker_s)
-        )
-        at_server = server_pipes[0].transfer(
-            ready, server_s, server_pipes[1], net.duplex_slowdown(server_s)
-        )
-        return max(at_worker, at_server) + net.wire_hop_s
-
-    def apply_and_answer(self, pushed: float, bundle: _Bundle, spans: list[Span]) -> list[float]:
-        """Apply ``bundle``'s slices one by one once it is in and answer each as the server's
-        sender does: an answer leaves once its slice is applied and the link is free, with
-        the answers applied by then (up to ``slices_per_message``) in the same message.
-        Return when each slice is back at the worker."""
-        s, net, remote = bundle.server, self.net, self.remote[bundle.server]
-        # Taking the message in: the server's Python half of a receive, in turn with applies.
-        taking = remote * net.serial_s(bundle.num_bytes) / 2
-        ready = self.server_cpu[s].hold(pushed, taking * self.slowdown)
-        backs: list[float] = []
-        waiting: list[_SliceJob] = []
-        for job in bundle.jobs:
-            work = job.num_bytes * self.per_byte_apply + self.profile.server_round_s
-            work += remote * net.serial_s(job.num_bytes) / 2  # the answer's send
-            wall = work * self.slowdown
-            applied = self.server_cpu[s].hold(ready, wall)
-            name = f"AGGREGATE_APPLY layer{job.layer}"
-            spans.append(Span(SERVER_TRACK, name, applied - wall, wall, cpu_s=work))
-            # The answers waiting leave when the link frees; this one joins them if it is
-            # applied by then and the message has room.
-            if waiting and (
-                len(waiting) == self.limit
-                or applied > max(self.server_out[s].free, waiting[0].ready)
-            ):
-                backs += self._answer(waiting, spans)
-                waiting = []
-            waiting.append(replace(job, ready=applied))
-        return backs + self._answer(waiting, spans)
-
-    def _answer(self, jobs: list[_SliceJob], spans: list[Span]) -> list[float]:
-        """One answer message of ``jobs`` (applied at their ``ready``); their back times."""
-        answer = _Bundle(jobs)
-        applied = max(job.ready for job in jobs)
-        s = answer.server
-        back = self._cross(applied, s, answer.num_bytes, to_server=False)
-        name = f"PULL layer{jobs[0].layer}"
-        spans.append(
-            _wire_span(name, applied, back - applied, self.cluster, answer, answer.messages)
-        )
-        return [back] * len(jobs)
-
-
-def _p3_transfers(
-    jobs: list[_SliceJob],
-    cluster: Cluster,
-    profile: Profile,
-    num_layers: int,
-    spans: list[Span],
-    slices_per_message: int = 1,
-) -> list[float]:
-    """Send ``jobs`` most urgent first, up to ``slices_per_message`` for one server in a
-    message, with at most ``send_window`` slices in flight (a bundle takes only the room
-    left); return, per layer, when its last slice is back."""
-    from gradsync.comm.priority import send_window
-
-    window = send_window(slices_per_message)
-    path = _P3Path(cluster, profile, slices_per_message)
-    arrivals = sorted(jobs, key=lambda j: (j.ready, j.seq))
-    waiting: list[tuple[int, int, _SliceJob]] = []
-    in_flight: list[tuple[float, int]] = []  # (pushed, slices)
-    num_in_flight = 0
-    layer_ready = [0.0] * num_layers
-    now, next_arrival = 0.0, 0
-    while next_arrival < len(arrivals) or waiting:
-        while num_in_flight >= window:
-            pushed, count = heapq.heappop(in_flight)
-            now, num_in_flight = max(now, pushed), num_in_flight - count
-        if not waiting:
-            now = max(now, arrivals[next_arrival].ready)
-        while next_arrival < len(arrivals) and arrivals[next_arrival].ready <= now:
-            job = arrivals[next_arrival]
-            # Ties (and every item, without priority) go in arrival order, as in the sender.
-            heapq.heappush(waiting, (job.priority, next_arrival, job))
-            next_arrival += 1
-        room = window - num_in_flight
-        for bundle in _take_bundles(waiting, room, slices_per_message):
-            pushed = path.push(now, bundle)
-            heapq.heappush(in_flight, (pushed, len(bundle.jobs)))
-            num_in_flight += len(bundle.jobs)
-            name = f"PUSH layer{bundle.jobs[0].layer}"
-            spans.append(_wire_span(name, now, pushed - now, cluster, bundle, bundle.messages))
-            backs = path.apply_and_answer(pushed, bundle, spans)
-            for job, back in zip(bundle.jobs, backs, strict=True):
-                layer_ready[job.layer] = max(layer_ready[job.layer], back)
-    return layer_ready
 
 
 SIMULATORS = {

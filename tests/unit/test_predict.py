@@ -205,6 +205,27 @@ def test_p3_priority_lets_the_first_layer_overtake() -> None:
     assert p3_case(priority=False) == pytest.approx(10.0)
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_p3_answers_the_workers_in_turn_so_the_first_computes_while_the_others_wait(
+    workers: int,
+) -> None:
+    # n workers share one host link, the server has its own host; one slice, 1 s a copy
+    # on each link, ready as backward (1 s) ends; forward 1 s. The n copies go out one
+    # after the other (+n s); the server answers worker 0 first (+n+1 s): worker 0 runs
+    # forward and backward (2 s) while the other answers cross, and sends its next copy
+    # first. Its period is n + 3 s, where one shared order of all workers (pushes and
+    # answers as one n-second transfer each) would give 2n + 2.
+    profile = profile_of(
+        [variable("w", 1000, 1.0)], forward=1.0, backward=1.0,
+        layers=[LayerProfile(name="l0", forward_start_s=0.0)],
+    )  # fmt: skip
+    cluster = Cluster(workers=workers, network=Network(bandwidth=4000.0), ranks_per_host=workers)
+    step = predict_step(profile, cluster, StrategyChoice("p3", P3Options(slice_size=1000)))
+    assert step.step_s == pytest.approx(workers + 3.0)
+    wait = [s for s in step.spans if s.name == "WAIT layer0"]
+    assert [w.duration for w in wait] == pytest.approx([workers + 1.0])  # worker 0's
+
+
 def test_p3_bundles_cost_pipelining_where_the_link_is_the_bottleneck() -> None:
     """Four slices a message (docs/predict.md): layer 1's first four leave as one 4 s
     message, layer 0's slice shares the next with the last two (3 s, pushed at +7 s); each

@@ -1,0 +1,423 @@
+"""P3's step, simulated worker by worker: each worker's own priority sender, and a slice
+applied once its last copy is in.
+
+Every worker sends its slices most urgent first (:class:`gradsync.comm.priority.
+PrioritySender`): when its window has room it takes the most urgent of the slices whose
+gradients are ready, and which are ready depends on the worker's own timing. A server
+applies a slice once every worker's copy is in and answers the workers in turn, worker 0
+first (:class:`gradsync.comm.priority.P3Server`). So worker 0 has its parameters back a
+copy's transfer before the last worker, starts backward that much earlier, and from then
+on the workers pick different slices at the same instant: a slice one worker sent early
+another sends late, and the server waits for the later copy (a measured trace shows
+orders more than a second apart within a step, ``docs/predict.md`` §5). Nothing here is
+fitted: the drift follows from the answers' order, the windows and the links.
+
+Links are first-come-first-served pipes per host and direction
+(:class:`~gradsync.predict.parts.Pipe`); a copy between two processes of one host moves at
+the intra-host rate, and a colocated server's own worker hands its copy over in memory.
+More than :data:`MAX_GROUPS` workers are simulated as that many groups of consecutive
+workers, each moving as its last member (who gets its answers last): the cost of the
+simulation stays that of :data:`MAX_GROUPS` workers.
+
+Example:
+    >>> # step_s, spans, moved = simulate_p3(profile, cluster, P3Options())
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gradsync.predict.network import Cluster
+from gradsync.predict.parts import (
+    COMM_TRACK,
+    COMPUTE_TRACK,
+    SERVER_TRACK,
+    Pipe,
+    Span,
+    densified,
+    layer_durations,
+    with_server_layout,
+)
+from gradsync.predict.profile import Profile
+from gradsync.strategies.p3 import P3Options
+
+STEPS = 3  # steps simulated: the drift starts with the first answers; the last is timed
+MEASURED_STEPS = 1  # steps timed at the end, each group's, averaged
+MAX_GROUPS = 4  # workers simulated one by one; beyond, groups of consecutive workers
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One slice of a step's gradient: sent with ``priority`` (lower first), ``seq`` its
+    place among the slices, ready ``ready_s`` after backward starts."""
+
+    seq: int
+    priority: int
+    layer: int
+    server: int
+    num_bytes: float
+    ready_s: float
+
+
+Item = tuple[int, Slice]  # (step, slice)
+
+
+class Events:
+    """A discrete-event loop: actions run in time order (ties: the order they were set)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[float], None]]] = []
+        self._order = itertools.count()
+
+    def at(self, time: float, action: Callable[[float], None]) -> None:
+        heapq.heappush(self._heap, (time, next(self._order), action))
+
+    def run(self) -> None:
+        while self._heap:
+            time, _, action = heapq.heappop(self._heap)
+            action(time)
+
+
+class Sender:
+    """A priority sender as :class:`gradsync.comm.priority.PrioritySender` runs: the most
+    urgent item waiting, then the items right behind it (at most ``limit`` for one peer,
+    one message per peer), while fewer than ``window`` items are in flight; when the window
+    is full, the oldest message is waited for. ``send(now, peer, items)`` returns when the
+    message is delivered.
+
+    Example:
+        >>> events, sent = Events(), []
+        >>> sender = Sender(events, lambda now, peer, items: sent.append(items) or now + 1.0,
+        ...                 window=1, limit=1)
+        >>> def put(at, priority):
+        ...     events.at(at, lambda now: sender.put(now, f"p{priority}", peer=0,
+        ...                                          priority=priority, seq=priority))
+        >>> put(0.0, 5); put(0.5, 3); put(0.5, 1)
+        >>> events.run(); sent  # p5 alone; then the most urgent as the window frees
+        [['p5'], ['p1'], ['p3']]
+    """
+
+    def __init__(
+        self,
+        events: Events,
+        send: Callable[[float, int, list[Any]], float],
+        *,
+        window: int,
+        limit: int,
+    ) -> None:
+        self.events, self.send = events, send
+        self.window, self.limit = window, limit
+        self.waiting: list[tuple[int, int, int, Any]] = []  # (priority, seq, peer, item)
+        self.in_flight: deque[tuple[float, int]] = deque()  # (delivered, items), oldest first
+        self.num_in_flight = 0
+        self.wake_pending = False
+
+    def put(self, now: float, item: Any, *, peer: int, priority: int, seq: int) -> None:
+        """Queue ``item``; what is queued at one instant is taken together (the sender
+        thread wakes once the burst of puts is over)."""
+        heapq.heappush(self.waiting, (priority, seq, peer, item))
+        if not self.wake_pending:
+            self.wake_pending = True
+            self.events.at(now, self._wake)
+
+    def _wake(self, now: float) -> None:
+        """Send what the window has room for; come back when the oldest is delivered."""
+        self.wake_pending = False
+        while self.waiting:
+            while self.in_flight and self.in_flight[0][0] <= now:
+                self.num_in_flight -= self.in_flight.popleft()[1]
+            room = self.window - self.num_in_flight
+            if room <= 0:
+                self.wake_pending = True
+                self.events.at(self.in_flight[0][0], self._wake)
+                return
+            for peer, items in self._take(room).items():
+                self.in_flight.append((self.send(now, peer, items), len(items)))
+                self.num_in_flight += len(items)
+
+    def _take(self, room: int) -> dict[int, list[Any]]:
+        _, _, peer, item = heapq.heappop(self.waiting)
+        taken: dict[int, list[Any]] = {peer: [item]}
+        count = 1
+        while self.limit > 1 and self.waiting and count < room:
+            peer = self.waiting[0][2]
+            if len(taken.get(peer, ())) >= self.limit:
+                break
+            taken.setdefault(peer, []).append(heapq.heappop(self.waiting)[3])
+            count += 1
+        return taken
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a group's copies travel to or from one server: ``in_memory`` members hand them
+    over in the server's own process, ``same_host`` members cross no link, ``remote`` ones
+    cross the server host's link, ``on_link`` of them share the group's host link."""
+
+    in_memory: int
+    same_host: int
+    remote: int
+    on_link: int
+
+
+class Job:
+    """The groups of workers, the servers and the host links of one simulated p3 job, and
+    the spans of its steps (group 0's compute, every copy, every server's work)."""
+
+    def __init__(
+        self, profile: Profile, cluster: Cluster, slices: list[Slice], slices_per_message: int
+    ) -> None:
+        from gradsync.comm.priority import send_window
+
+        self.profile, self.cluster, self.slices = profile, cluster, slices
+        self.net = cluster.network
+        self.events = Events()
+        hosts = {cluster.worker_host(w) for w in range(cluster.workers)}
+        hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
+        self.out = {host: Pipe() for host in hosts}
+        self.into = {host: Pipe() for host in hosts}
+        self.slowdowns: dict[float, float] = {}  # transfer seconds → duplex slowdown
+        self.window, self.limit = send_window(slices_per_message), slices_per_message
+        self.spans: list[tuple[int, Span]] = []  # (step, span)
+        count = min(cluster.workers, MAX_GROUPS)
+        bounds = [round(g * cluster.workers / count) for g in range(count + 1)]
+        self.groups = [
+            Group(self, g, range(a, b)) for g, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]
+        self.servers = [Server(self, index) for index in range(cluster.servers)]
+
+    def route(self, members: range, server: int) -> Route:
+        """How ``members``' copies travel between them and ``server``."""
+        cluster = self.cluster
+        in_memory = sum(cluster.colocate and server % cluster.workers == w for w in members)
+        host = cluster.server_host(server)
+        same_host = sum(cluster.worker_host(w) == host for w in members) - in_memory
+        remote = len(members) - in_memory - same_host
+        last = cluster.worker_host(members[-1])
+        on_link = 0 if last == host else sum(cluster.worker_host(w) == last for w in members)
+        return Route(in_memory, same_host, remote, on_link)
+
+    def cross(
+        self, now: float, group: Group, server: int, num_bytes: float, *, push: bool
+    ) -> float:
+        """Every member's copy of ``num_bytes`` between ``group`` and ``server`` leaves at
+        ``now`` (``push``: toward the server); return when the last is in."""
+        route = group.routes[server]
+        arrived = now
+        if route.same_host:
+            arrived = now + route.same_host * num_bytes / self.net.intra_rate
+        if route.remote:
+            seconds = num_bytes / self.net.rate
+            worker_pipes = (self.out[group.host], self.into[group.host])
+            server_host = self.cluster.server_host(server)
+            server_pipes = (self.into[server_host], self.out[server_host])
+            if not push:
+                worker_pipes, server_pipes = worker_pipes[::-1], server_pipes[::-1]
+            at_worker = self._transfer(now, route.on_link * seconds, *worker_pipes)
+            at_server = self._transfer(now, route.remote * seconds, *server_pipes)
+            arrived = max(arrived, max(at_worker, at_server) + self.net.wire_hop_s)
+        return arrived
+
+    def _transfer(self, now: float, seconds: float, pipe: Pipe, opposite: Pipe) -> float:
+        if not seconds:
+            return now
+        slowdown = self.slowdowns.get(seconds)
+        if slowdown is None:  # slices share a few sizes: each curve lookup once
+            slowdown = self.slowdowns[seconds] = self.net.duplex_slowdown(seconds)
+        return pipe.transfer(now, seconds, opposite, slowdown)
+
+    def wire_span(
+        self, step: int, name: str, start: float, end: float, items: list[Item], copies: int
+    ) -> None:
+        """Keep the span of ``copies`` copies of ``items`` through the server transport."""
+        if copies:
+            num_bytes = copies * sum(piece.num_bytes for _, piece in items)
+            messages = copies * (2 if len(items) == 1 else 3)  # a bundle adds its manifest
+            self.spans.append(
+                (step, Span(COMM_TRACK, name, start, end - start, num_bytes, messages, True))
+            )
+
+    def run(self) -> float:
+        """Simulate :data:`STEPS` steps; return the mean length of the last ones."""
+        for group in self.groups:
+            self.events.at(0.0, group.forward)
+        self.events.run()
+        ends = [group.backward_ends for group in self.groups]
+        lengths = [(e[-1] - e[-1 - MEASURED_STEPS]) / MEASURED_STEPS for e in ends]
+        return sum(lengths) / len(lengths)
+
+
+class Group:
+    """Workers that move as one (one worker, up to :data:`MAX_GROUPS` workers): forward
+    layer by layer, each once its slices of the step before are back; backward, with the
+    slices queued as their gradients become ready."""
+
+    def __init__(self, job: Job, index: int, members: range) -> None:
+        self.job, self.index, self.members = job, index, members
+        self.host = job.cluster.worker_host(members[-1])
+        self.routes = [job.route(members, s) for s in range(job.cluster.servers)]
+        self.sender = Sender(job.events, self._push, window=job.window, limit=job.limit)
+        self.queued = itertools.count()
+        self.layer_seconds = layer_durations(job.profile)
+        self.step, self.layer = 0, 0
+        self.blocked_since: float | None = None
+        self.backward_ends: list[float] = []
+        self.missing: dict[int, list[int]] = {}  # step → each layer's slices not yet back
+
+    def forward(self, now: float) -> None:
+        """Run the step's layers from the current one while their parameters are back."""
+        while self.layer < len(self.layer_seconds):
+            if self.step and self.missing[self.step - 1][self.layer]:
+                if self.blocked_since is None:
+                    self.blocked_since = now
+                return
+            if self.blocked_since is not None:
+                self._span(f"WAIT layer{self.layer}", self.blocked_since, now - self.blocked_since)
+                self.blocked_since = None
+            seconds = self.layer_seconds[self.layer]
+            self._span(f"FORWARD layer{self.layer}", now, seconds)
+            now += seconds
+            self.layer += 1
+        self._backward(now)
+
+    def _backward(self, start: float) -> None:
+        profile, step = self.job.profile, self.step
+        self._span("BACKWARD", start, profile.backward_s)
+        self.missing[step] = [0] * len(self.layer_seconds)
+        for piece in self.job.slices:
+            self.missing[step][piece.layer] += 1
+            self.job.events.at(
+                start + piece.ready_s, lambda now, p=piece: self._ready(now, step, p)
+            )
+        end = start + profile.backward_s
+        self.backward_ends.append(end)
+        self.step, self.layer = step + 1, 0
+        if self.step < STEPS:
+            self.job.events.at(end, self.forward)
+
+    def _ready(self, now: float, step: int, piece: Slice) -> None:
+        # Ties (and every slice, without priority) go in the order they were queued.
+        order = next(self.queued)
+        self.sender.put(now, (step, piece), peer=piece.server, priority=piece.priority, seq=order)
+
+    def _push(self, now: float, server: int, items: list[Item]) -> float:
+        job = self.job
+        num_bytes = sum(piece.num_bytes for _, piece in items)
+        arrived = job.cross(now, self, server, num_bytes, push=True)
+        name = f"PUSH layer{items[0][1].layer}"
+        job.wire_span(items[0][0], name, now, arrived, items, self.routes[server].remote)
+        job.events.at(arrived, lambda t: job.servers[server].receive(t, self, items))
+        return arrived
+
+    def answered(self, now: float, items: list[Item]) -> None:
+        """Slices back from a server: a layer whose slices are all back may run."""
+        for step, piece in items:
+            self.missing[step][piece.layer] -= 1
+        if self.blocked_since is not None:
+            self.forward(now)
+
+    def _span(self, name: str, start: float, seconds: float) -> None:
+        if self.index == 0:  # the trace shows the first worker's compute
+            self.job.spans.append((self.step, Span(COMPUTE_TRACK, name, start, seconds)))
+
+
+class Server:
+    """One server: takes each message in, applies a slice once every worker's copy is in,
+    and answers every worker, worker 0 first, through its own priority sender."""
+
+    def __init__(self, job: Job, index: int) -> None:
+        self.job, self.index = job, index
+        cluster, profile = job.cluster, job.profile
+        self.cpu = Pipe()
+        self.copies: dict[tuple[int, int], int] = {}  # (step, slice) → copies in
+        window = job.window * len(job.groups)
+        self.sender = Sender(job.events, self._answer, window=window, limit=job.limit)
+        self.order = itertools.count()
+        self.per_byte = profile.aggregate_s_per_byte * cluster.workers + profile.apply_s_per_byte
+        self.processes = cluster.workers - sum(g.routes[index].in_memory for g in job.groups)
+
+    def receive(self, now: float, group: Group, items: list[Item]) -> None:
+        """``group``'s copies of ``items`` are in: take them in; apply the complete ones."""
+        job, cluster = self.job, self.job.cluster
+        net, slowdown = cluster.network, cluster.server_slowdown
+        messages = len(group.members) - group.routes[self.index].in_memory
+        if messages:  # the Python half of each receive
+            taking = messages * net.serial_s(sum(piece.num_bytes for _, piece in items)) / 2
+            now = self.cpu.hold(now, taking * slowdown)
+        for step, piece in items:
+            key = (step, piece.seq)
+            self.copies[key] = self.copies.get(key, 0) + len(group.members)
+            if self.copies[key] < cluster.workers:
+                continue
+            del self.copies[key]
+            work = piece.num_bytes * self.per_byte + job.profile.server_round_s
+            work += self.processes * net.serial_s(piece.num_bytes) / 2  # the answers' sends
+            wall = work * slowdown
+            applied = self.cpu.hold(now, wall)
+            name = f"AGGREGATE_APPLY layer{piece.layer}"
+            job.spans.append((step, Span(SERVER_TRACK, name, applied - wall, wall, cpu_s=work)))
+            job.events.at(applied, lambda t, item=(step, piece): self._queue(t, item))
+
+    def _queue(self, now: float, item: Item) -> None:
+        for group in self.job.groups:
+            self.sender.put(
+                now, item, peer=group.index, priority=item[1].priority, seq=next(self.order)
+            )
+
+    def _answer(self, now: float, peer: int, items: list[Item]) -> float:
+        job = self.job
+        group = job.groups[peer]
+        back = job.cross(now, group, self.index, sum(p.num_bytes for _, p in items), push=False)
+        name = f"PULL layer{items[0][1].layer}"
+        job.wire_span(items[0][0], name, now, back, items, group.routes[self.index].remote)
+        job.events.at(back, lambda t: group.answered(t, items))
+        return back
+
+
+def slices_of(profile: Profile, options: P3Options, servers: int) -> list[Slice]:
+    """The slices p3 cuts ``profile``'s gradient into, placed on ``servers`` servers."""
+    from gradsync.comm.slicing import slice_variables
+
+    variables = {v.name: v for v in profile.variables}
+    pieces = slice_variables(
+        [(v.name, v.numel) for v in profile.variables],
+        slice_size=options.slice_size if options.slicing else None,
+        num_servers=servers,
+    )
+    return [
+        Slice(
+            seq=p.index,
+            priority=variables[p.name].layer if options.priority else 0,
+            layer=variables[p.name].layer,
+            server=p.server,
+            num_bytes=p.numel * variables[p.name].element_size,
+            ready_s=variables[p.name].grad_ready_s,
+        )
+        for p in pieces
+    ]
+
+
+def simulate_p3(
+    profile: Profile, cluster: Cluster, options: P3Options | None
+) -> tuple[float, list[Span], float]:
+    """p3's steady-state step: (its seconds, the spans of the last step simulated from its
+    forward's start, bytes each worker moves)."""
+    options = options or P3Options()
+    profile = densified(profile)  # each slice is cut from the dense gradient
+    servers = options.num_servers(cluster.workers)
+    cluster = with_server_layout(cluster, servers, colocate=options.colocate)
+    job = Job(profile, cluster, slices_of(profile, options, servers), options.slices_per_message)
+    step_s = job.run()
+    origin = job.groups[0].backward_ends[-2]
+    last = [
+        replace(span, start=span.start - origin) for step, span in job.spans if step == STEPS - 1
+    ]
+    return step_s, last, 2.0 * profile.num_bytes
+
+
+__all__ = ["MAX_GROUPS", "simulate_p3"]
