@@ -270,14 +270,20 @@ class Group:
         self.missing: dict[int, list[int]] = {}  # step → each layer's slices not yet back
 
     def forward(self, now: float) -> None:
-        """Run the step's layers from the current one while their parameters are back."""
+        """Run the step's layers from the current one while their parameters are back.
+
+        The layers run ahead of the event clock: a layer found missing blocks the group
+        from the time it reaches it, and an answer that comes before then resumes it
+        from there, not from the answer's time."""
         while self.layer < len(self.layer_seconds):
             if self.step and self.missing[self.step - 1][self.layer]:
                 if self.blocked_since is None:
                     self.blocked_since = now
                 return
             if self.blocked_since is not None:
-                self._span(f"WAIT layer{self.layer}", self.blocked_since, now - self.blocked_since)
+                start, now = self.blocked_since, max(now, self.blocked_since)
+                if now > start:
+                    self._span(f"WAIT layer{self.layer}", start, now - start)
                 self.blocked_since = None
             seconds = self.layer_seconds[self.layer]
             self._span(f"FORWARD layer{self.layer}", now, seconds)
