@@ -59,7 +59,9 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
     workload = workload_of(config)
     _check_parameters_and_layers(config, workload.model)  # before a forward materializes any
     if is_user_model(config.model):
-        _check_edits_last(config, check_user_step(config.model, workload))
+        step = check_user_step(config.model, workload)
+        _check_edits_last(config, step.edited)
+        _check_lookups_only(config, step.tables_read_elsewhere)
     if not one_rank and config.global_batch is None and workload.global_batch % config.workers:
         batch, workers = workload.global_batch, config.workers
         raise UserError(
@@ -97,10 +99,38 @@ def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) ->
             "parameters (its strategies reduce real tensors, its checkpoints are safetensors, "
             "which has no complex type); keep the real and imaginary parts as two parameters"
         )
+    overlapping = [
+        n
+        for n, p in model.named_parameters()
+        if not isinstance(p, UninitializedParameter) and overlaps_itself(p)
+    ]
+    if overlapping:
+        raise UserError(
+            f"parameter {overlapping[0]} overlaps itself in memory (a view made with expand "
+            "or as_strided): an update writes several of its elements to one place, so no "
+            "strategy can reproduce it; make it a tensor of its own with .clone() in your "
+            "build function"
+        )
     if config.workers > 1 and config.batchnorm == "global":
         problem = unconvertible_batchnorm(model)
         if problem:
             raise UserError(problem)
+
+
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` share memory (a stride 0, overlapping strides).
+
+    Example:
+        >>> overlaps_itself(torch.ones(1, 3).expand(2, 3)), overlaps_itself(torch.ones(3, 2).t())
+        (True, False)
+    """
+    verdict = torch._debug_has_internal_overlap(tensor)  # 0: no, 1: yes, 2: too hard to say
+    if verdict != 2:
+        return verdict == 1
+    offsets = torch.zeros((), dtype=torch.long)
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        offsets = (offsets.unsqueeze(-1) + torch.arange(size) * stride).reshape(-1)
+    return len(torch.unique(offsets)) < tensor.numel()
 
 
 def _check_edits_last(config: TrainConfig, edited: set[str]) -> None:
@@ -114,6 +144,20 @@ def _check_edits_last(config: TrainConfig, edited: set[str]) -> None:
             "which overwrite each worker's copy every step, so the change would be lost; "
             "compute with a changed copy instead (F.linear(x, w.clamp(-c, c))), or train with "
             "allreduce or ddp"
+        )
+
+
+def _check_lookups_only(config: TrainConfig, read_elsewhere: set[str]) -> None:
+    """UserError when the forward reads, other than by a lookup of its module's input, a
+    table whose rows a worker has up to date only where its lookups read them."""
+    stale = sorted(read_elsewhere & strategy_class(config.strategy).read_by_lookup_only(config))
+    if stale:
+        raise UserError(
+            f"the model reads lookup table {stale[0]} other than by looking up its module's "
+            f"input (.detach(), indexing, F.embedding on other ids, or a subclass whose "
+            f"forward looks up other rows), but {config.strategy} brings each worker only the "
+            f"rows its lookups read, so those reads would see stale rows; pass --dense-pattern "
+            f"{stale[0]} to allreduce that table, or train with allreduce"
         )
 
 

@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch  # noqa: F401 - used by the doctest
@@ -36,11 +36,15 @@ from torch.utils._pytree import tree_leaves
 
 @dataclass(frozen=True)
 class Layers:
-    """``layer_of`` parameter name → layer index; ``modules[i]`` waits for layer i."""
+    """``layer_of`` parameter name → layer index; ``modules[i]`` waits for layer i, and
+    each module of ``owners`` also waits for the layers of the parameters it owns: a later
+    forward may call it before their layer (a tied copy the first forward skipped, a
+    branch taken on other data)."""
 
     layer_of: dict[str, int]
     names: list[str]
     modules: list[nn.Module]
+    owners: list[tuple[nn.Module, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -124,11 +128,30 @@ class LayerOrder:
                 users[param_name] = called_ancestor(owners[id(param)][0])
         order = sorted(set(users.values()), key=lambda n: calls.get(id(modules[n]), -1))
         index = {name: i for i, name in enumerate(order)}
+        layer_of = {p: index[u] for p, u in users.items()}
         return Layers(
-            layer_of={p: index[u] for p, u in users.items()},
+            layer_of=layer_of,
             names=[n or "(model)" for n in order],
             modules=[modules[n] for n in order],
+            owners=self._owners(layer_of, {id(modules[n]): i for i, n in enumerate(order)}),
         )
+
+    def _owners(
+        self, layer_of: dict[str, int], own_layer: dict[int, int]
+    ) -> list[tuple[nn.Module, tuple[int, ...]]]:
+        """Each module that owns a parameter of a layer not its own, with those layers."""
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        owners = []
+        for module in dict.fromkeys(self.model.modules()):
+            layers = {
+                layer_of[name_of[id(param)]]
+                for param in module.parameters(recurse=False)
+                if name_of.get(id(param)) in layer_of
+            }
+            layers.discard(own_layer.get(id(module), -1))
+            if layers:
+                owners.append((module, tuple(sorted(layers))))
+        return owners
 
 
 class _FirstReads(TorchFunctionMode):

@@ -17,6 +17,7 @@ import inspect
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.utils.data import default_collate
 from gradsync.data.base import Batch, Dataset, IndexedSamples
 from gradsync.errors import UserError
 from gradsync.models.base import BuildRequest, Workload
+from gradsync.models.lookup_reads import LookupReads
 
 DEFAULT_USER_GLOBAL_BATCH = 32
 
@@ -227,10 +229,21 @@ class MapStyleSamples(IndexedSamples):
         return Batch(inputs=tuple(inputs), targets=targets)
 
 
-def check_user_step(name: str, workload: Workload) -> set[str]:
+@dataclass(frozen=True)
+class UserStep:
+    """What one forward and loss of a user model did besides computing: the trainable
+    parameters it changed in place, and the lookup tables it read other than by looking up
+    its module's input (:class:`~gradsync.models.lookup_reads.LookupReads`)."""
+
+    edited: set[str]
+    tables_read_elsewhere: set[str]
+
+
+def check_user_step(name: str, workload: Workload) -> UserStep:
     """Run one forward pass and loss on two samples; UserError unless the loss is a scalar
     tensor that has a gradient. Runs in the launcher, before any rank starts. Returns the
-    trainable parameters the forward or the loss changed in place (their version moved).
+    trainable parameters the forward or the loss changed in place (their version moved),
+    and the lookup tables they read other than by a lookup of their module's input.
 
     Example:
         >>> # check_user_step("my_model.py:build", build_user_workload(name, request))
@@ -244,9 +257,12 @@ def check_user_step(name: str, workload: Workload) -> set[str]:
         raise UserError(f"{message}: {_describe(error)}"[:400]) from None
     params = [(n, p) for n, p in workload.model.named_parameters() if p.requires_grad]
     versions = [p._version for _, p in params]
+    from gradsync.probe import lookup_tables  # probe imports this package
+
     try:
-        output = workload.model(*batch.inputs, **batch.shared)
-        loss = workload.loss(output, batch.targets)
+        with LookupReads(lookup_tables(workload.model)) as reads:
+            output = workload.model(*batch.inputs, **batch.shared)
+            loss = workload.loss(output, batch.targets)
     except Exception as error:
         raise UserError(
             f"user model {name} failed on a batch of 2 samples: {error!r}"[:400]
@@ -262,4 +278,5 @@ def check_user_step(name: str, workload: Workload) -> set[str]:
             f"user model {name}'s loss has no gradient (it does not depend on the parameters, "
             "or was computed under no_grad / with .item()); return a tensor from the model's output"
         )
-    return {n for (n, p), v in zip(params, versions, strict=True) if p._version != v}
+    edited = {n for (n, p), v in zip(params, versions, strict=True) if p._version != v}
+    return UserStep(edited=edited, tables_read_elsewhere=reads.elsewhere)

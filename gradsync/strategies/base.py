@@ -127,6 +127,12 @@ class Strategy(ABC):
         the servers' every step, so a change a worker makes to it in place never lasts."""
         return set()
 
+    @classmethod
+    def read_by_lookup_only(cls, config: TrainConfig) -> set[str]:
+        """The lookup tables whose rows a worker has up to date only where its lookups read
+        them: the forward must read them in no other way."""
+        return set()
+
     def checkpoint_state(self) -> tuple[nn.Module, torch.optim.Optimizer] | None:
         """The model and optimizer holding the authoritative state on this rank, or None.
 

@@ -235,6 +235,8 @@ class Hybrid(ServerStrategy):
         """The sparse tables (the dense variables are allreduced among the workers)."""
         return {n for n, kind in _classify_config(config.to_json()) if kind == "sparse"}
 
+    read_by_lookup_only = held_by_servers  # a worker pulls only the rows its lookups read
+
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         kinds = dict(_classify_config(config.to_json()))
@@ -409,7 +411,10 @@ class Hybrid(ServerStrategy):
         lookups = lookup_tables(model)
         for name in self.sparse_names:
             lookups[name].register_forward_pre_hook(
-                lambda _module, args, name=name: self._lookup(name, args[0])
+                lambda _module, args, kwargs, name=name: self._lookup(
+                    name, args[0] if args else kwargs["input"]
+                ),
+                with_kwargs=True,
             )
         return model
 

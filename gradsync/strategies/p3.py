@@ -256,6 +256,9 @@ class PriorityPropagation(ServerStrategy):
         )
         self._lr = context.lr
         self._cond = threading.Condition()
+        self._writes = threading.Lock()  # guards the two below
+        self._in_backward = False  # from this step's first gradient to step()
+        self._held: list[tuple[Piece, Tensor]] = []  # values back during backward
         self._remaining: list[int] = []  # per layer: slices not yet back
         self._errors: list[BaseException] = []
         self.ready_log: list[tuple[int, int, float]] = []  # (step, layer, time ready)
@@ -307,6 +310,11 @@ class PriorityPropagation(ServerStrategy):
             module.register_forward_pre_hook(  # before the module's own pre-hooks read
                 lambda _m, _a, layer=layer: self._wait_for(layer), prepend=True
             )
+        for module, owned in layers.owners:  # a tied or skipped owner called first later on
+            module.register_forward_pre_hook(
+                lambda _m, _a, owned=owned: self._wait_for_layers(owned),
+                prepend=True,
+            )
         self.layers = layers
         if self.worker == 0:
             print(
@@ -319,6 +327,7 @@ class PriorityPropagation(ServerStrategy):
     def _on_gradient(self, name: str, param: nn.Parameter) -> None:
         """Backward hook: the gradient of ``name`` is complete — queue its slices now."""
         self._ready.mark(name)
+        self._in_backward = True  # before any slice of this step can come back
         grad = param.grad
         assert grad is not None
         flat = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
@@ -413,7 +422,9 @@ class PriorityPropagation(ServerStrategy):
             priority=header.priority,
             bytes=header.length * self.params[s.name].element_size(),
         ):
-            if len(pieces) == 1:
+            with self._writes:
+                direct = len(pieces) == 1 and not self._in_backward
+            if direct:
                 recv(self._target(s))
             else:
                 values = recv(torch.empty(header.length, dtype=self.params[s.name].dtype))
@@ -425,15 +436,31 @@ class PriorityPropagation(ServerStrategy):
         return self.params[s.name].data.view(-1)[s.start : s.stop]
 
     def _write_slices(self, pieces: list[Piece], values: Tensor) -> None:
-        """Copy a bundle's values (``pieces``' end to end) into their parameters."""
+        """Copy a bundle's values (``pieces``' end to end) into their parameters; while
+        backward runs, keep them for :meth:`step` instead: backward may still read a
+        parameter it saved in forward (one read through ``.detach()`` there, say), and a
+        write through ``.data`` is invisible to autograd's check."""
         lengths = [s.numel for s in pieces]
-        for s, piece_values in zip(pieces, split_bundle(values, lengths), strict=True):
+        writes = list(zip(pieces, split_bundle(values, lengths), strict=True))
+        with self._writes:
+            if self._in_backward:
+                self._held.extend(writes)
+                return
+        for s, piece_values in writes:
             self._target(s).copy_(piece_values)
+
+    def _write_held(self) -> None:
+        """Backward is over: write the values that came back during it."""
+        with self._writes:
+            self._in_backward = False
+            held, self._held = self._held, []
+        for s, values in held:
+            self._target(s).copy_(values)
 
     def _on_local_reply(self, message: Message) -> None:
         """A reply of this process's server (on its reply thread): as if received."""
         if message.kind == Kind.REPLY:
-            self._target(self.slices[message.header.index]).copy_(message.tensors[0])
+            self._write_slices([self.slices[message.header.index]], message.tensors[0])
         self._on_reply(self._local_server, message)
 
     def _on_reply(self, server: int, message: Message | BaseException) -> None:
@@ -465,6 +492,10 @@ class PriorityPropagation(ServerStrategy):
             raise self._errors[0]
         if self.sender.error is not None:
             raise TransportError(f"sending to the servers failed: {self.sender.error}")
+
+    def _wait_for_layers(self, layers: tuple[int, ...]) -> None:
+        for layer in layers:
+            self._wait_for(layer)
 
     def _wait_for(self, layer: int | None) -> None:
         """Block until ``layer``'s slices (every layer's if None) are back, or raise."""
@@ -498,6 +529,7 @@ class PriorityPropagation(ServerStrategy):
     def step(self) -> None:
         """After backward: tell the servers which parameters had no gradient; on the last
         step, wait for every slice (the checkpoint and the caller see the final parameters)."""
+        self._write_held()
         for name in self.params:
             if name not in self._ready.seen:  # unused this step: the servers still expect it
                 self._enqueue(name, None)

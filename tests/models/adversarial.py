@@ -11,7 +11,12 @@
 - a loss that reads a parameter itself (an L2 penalty written in the loss);
 - a layer whose bias forward reads before calling the layer, and whose weight is the
   hook-based ``spectral_norm`` (a forward pre-hook of its own reads ``weight_orig``):
-  strategies that wait for a layer's parameters must wait before either read.
+  strategies that wait for a layer's parameters must wait before either read;
+- a weight read through ``.detach()`` early in forward and by its layer late, with a slow
+  backward node between: backward still reads the saved weight after the layer's
+  gradient is ready, so a strategy must not write new values into it before backward ends;
+- a weight tied to a module that the forward calls first only from the third step on:
+  the order of the first forward does not hold for every step.
 
 ``build_sparse`` (sparse gradients, so no weight decay: torch's SGD refuses it there):
 
@@ -22,6 +27,9 @@ Both are ordinary user models (``--model tests/models/adversarial.py:build_dense
 """
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +49,24 @@ def _dataset(seed: int, samples: int = 512) -> TensorDataset:
     rest = torch.rand(samples, FEATURES, generator=rng, dtype=torch.get_default_dtype())
     targets = torch.randint(0, VOCAB, (samples,), generator=rng)
     return TensorDataset(torch.cat([ids, rest], dim=1), targets)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes ``SLOW_BACKWARD_S``: what a strategy sends back
+    once the gradients after it are ready has arrived before backward goes on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        time.sleep(SLOW_BACKWARD_S)
+        return grad
+
+
+SLOW_BACKWARD_S = 0.05
+TWIN_FROM_STEP = 2  # the tied twin is called first from this step on
 
 
 def _gated(h: Tensor, gate: Tensor, branch: nn.Module, *inputs: Tensor) -> Tensor:
@@ -69,18 +95,29 @@ class DenseAdversary(nn.Module):
         self.frozen = nn.Linear(DIM, DIM).requires_grad_(False)
         self.never_used = nn.Parameter(torch.randn(3))
         self.late = nn.utils.spectral_norm(nn.Linear(DIM, DIM))  # a pre-hook reads it
+        self.echo = nn.Linear(DIM, DIM)  # read detached early, by itself late
+        self.tail = nn.Linear(DIM, DIM)
+        self.twin = nn.Linear(DIM, DIM)  # called first, from TWIN_FROM_STEP on
+        self.twin.weight = self.tail.weight
         self.out = nn.Linear(DIM, VOCAB)
         self.out.weight = self.embed.weight  # tied
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: Tensor) -> Tensor:
         ids, gate = x[:, 0].long(), x[:, 1] > GATE
+        if self.training:
+            self.calls += 1
         shift = torch.tanh(self.late.bias).mean()  # read long before self.late runs
         h = self.embed(ids) + self.features(x[:, 1:]) + shift
+        if self.calls > TWIN_FROM_STEP:
+            h = h + torch.tanh(self.twin(h))
         h = self.norm_alias(h)
         n = h.shape[0]
         h = self.norm_batch_only(h.view(n, DIM // 2, 2)).view(n, DIM)
-        h = torch.tanh(F.linear(h, self.mix)) * self.scale
+        h = h + torch.tanh(F.linear(h, self.echo.weight.detach()))  # a stop-gradient read
+        h = _SlowBackward.apply(torch.tanh(F.linear(h, self.mix)) * self.scale)
         h = _gated(h, gate, self.gated, h)
+        h = torch.tanh(self.tail(self.echo(h)))
         return self.out(self.frozen(self.late(h)))
 
 
@@ -99,7 +136,7 @@ class SparseAdversary(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         ids, gate = x[:, 0].long(), x[:, 1] > GATE
-        h = self.lookup(ids) + self.tied((ids + 1) % VOCAB)
+        h = self.lookup(input=ids) + self.tied((ids + 1) % VOCAB)  # a keyword, as torch allows
         h = _gated(h, gate, self.rare, ids)
         return self.out(torch.tanh(self.hidden(h)))
 

@@ -99,6 +99,31 @@ def test_layer_order_follows_the_forward_not_the_declaration() -> None:
     assert layers.layer_of == {"last.weight": 1, "last.bias": 1, "first.weight": 0, "first.bias": 0}
 
 
+def test_an_owner_the_first_forward_did_not_call_first_waits_for_its_parameters_layer() -> None:
+    """A tied copy that a later forward calls before the layer that read the weight first
+    (a branch skipped on the first forward): it must wait for that layer too."""
+
+    class Skipping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.early = nn.Linear(2, 2)
+            self.first = nn.Linear(2, 2)
+            self.late = nn.Linear(2, 2)
+            self.early.weight = self.late.weight  # tied
+            self.take_early = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.take_early:
+                x = self.early(x)
+            return self.late(self.first(x))
+
+    model = Skipping()
+    layers = _first_forward(model, torch.ones(1, 2))
+    # early.bias, never read, belongs to the nearest called ancestor: the model, layer 0.
+    assert layers.names == ["(model)", "first", "late"] and layers.layer_of["early.weight"] == 2
+    assert layers.owners == [(model.early, (0, 2))]
+
+
 def test_layer_order_of_the_transformer_handles_tied_and_uncalled_owners() -> None:
     workload = build_workload("transformer", preset="tiny", seed=0, dropout=False)
     batch = workload.dataset.batch(step=0, size=2, start=0, stop=2)
@@ -303,11 +328,32 @@ def test_a_server_applies_bundled_slices_like_single_ones_and_bundles_its_answer
 def test_a_worker_writes_a_bundled_reply_into_its_parameters() -> None:
     """A bundle's values, its slices end to end, land in each slice's place; the lengths
     must add up."""
-    strategy = PriorityPropagation.__new__(PriorityPropagation)  # only its parameters
-    strategy.params = {"w": nn.Parameter(torch.zeros(2, 3)), "b": nn.Parameter(torch.zeros(4))}
+    strategy = _bare_strategy()
     pieces = [Piece("b", 1, 4), Piece("w", 0, 2), Piece("w", 4, 6)]
     strategy._write_slices(pieces, torch.arange(1.0, 8.0))
     assert strategy.params["b"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert strategy.params["w"].tolist() == [[4.0, 5.0, 0.0], [0.0, 6.0, 7.0]]
     with pytest.raises(ValueError, match="a bundle of 6 values cannot hold"):
         strategy._write_slices(pieces, torch.ones(6))
+
+
+def _bare_strategy() -> PriorityPropagation:
+    """A p3 strategy with only its parameters and its write state."""
+    strategy = PriorityPropagation.__new__(PriorityPropagation)
+    strategy.params = {"w": nn.Parameter(torch.zeros(2, 3)), "b": nn.Parameter(torch.zeros(4))}
+    strategy._writes, strategy._in_backward, strategy._held = threading.Lock(), False, []
+    return strategy
+
+
+def test_values_back_during_backward_are_written_when_it_ends() -> None:
+    """Backward may still read a parameter it saved in forward (through .detach(), say):
+    a slice that comes back meanwhile waits until step(), after backward."""
+    strategy = _bare_strategy()
+    strategy._in_backward = True  # a gradient hook of this step has run
+    saved = strategy.params["b"].detach()  # what backward saved
+    strategy._write_slices([Piece("b", 0, 4)], torch.ones(4))
+    assert saved.tolist() == [0.0, 0.0, 0.0, 0.0]
+    strategy._write_held()  # step(): backward is over
+    assert saved.tolist() == [1.0, 1.0, 1.0, 1.0] and not strategy._in_backward
+    strategy._write_slices([Piece("b", 0, 4)], torch.full((4,), 2.0))  # after: at once
+    assert saved.tolist() == [2.0, 2.0, 2.0, 2.0]

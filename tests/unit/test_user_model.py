@@ -532,6 +532,55 @@ EDITS_IN_FORWARD = """
 
     def lazy():
         return Lazy(), items(), nn.functional.cross_entropy
+
+    class ReadsWhole(nn.Module):  # a sparse table whose mean row is also a feature
+
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(6, 4, sparse=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.head(self.table(ids).mean(1) + self.table.weight.detach().mean(0))
+
+    def reads_whole():
+        return ReadsWhole(), items(), nn.functional.cross_entropy
+
+    class Positions(nn.Embedding):  # learned positions: looks up rows other than its input
+
+        def forward(self, ids):
+            return nn.functional.embedding(torch.arange(ids.shape[-1]), self.weight, sparse=True)
+
+    class Positioned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(6, 4, sparse=True)
+            self.positions = Positions(6, 4, sparse=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.head((self.table(input=ids) + self.positions(ids)).mean(1))
+
+    def positioned():
+        return Positioned(), items(), nn.functional.cross_entropy
+
+    class Overlapping(nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            if how == "expand":
+                self.weight = nn.Parameter(torch.randn(1, 4).expand(2, 4))
+            else:
+                self.weight = nn.Parameter(torch.randn(64).as_strided((2, 4), (1, 1)))
+            self.table = nn.Embedding(6, 4)
+
+        def forward(self, ids):
+            return nn.functional.linear(self.table(ids).mean(1), self.weight)
+
+    def expanded():
+        return Overlapping("expand"), items(), nn.functional.cross_entropy
+
+    def as_strided():
+        return Overlapping("strided"), items(), nn.functional.cross_entropy
 """
 
 
@@ -546,6 +595,12 @@ EDITS_IN_FORWARD = """
         ("renormalized", "ddp", "lookup table table.weight has max_norm"),
         # Buffers are sized and initial values shared before the first forward.
         ("lazy", "allreduce", "parameter layer.weight is not made yet"),
+        # hybrid brings a worker only the rows its lookups read: other reads were stale.
+        ("reads_whole", "hybrid", "reads lookup table table.weight other than by"),
+        ("positioned", "hybrid", "reads lookup table positions.weight other than by"),
+        # An update writes several elements to one place: single itself is ill-defined.
+        ("expanded", "allreduce", "parameter weight overlaps itself in memory"),
+        ("as_strided", "ps", "parameter weight overlaps itself in memory"),
     ],
 )
 def test_models_whose_parameters_change_outside_training_are_refused(
@@ -571,3 +626,22 @@ def test_an_edit_in_forward_that_the_workers_keep_is_allowed(tmp_path):
     for strategy in ("allreduce", "hybrid"):
         validate(TrainConfig(model=f"{path}:clamped", strategy=strategy, workers=2, global_batch=8))
     validate(TrainConfig(model=f"{path}:lazy", strategy="single", global_batch=8))
+
+
+def test_a_table_read_other_than_by_lookups_trains_when_hybrid_allreduces_it(tmp_path):
+    """The refusal's advice works: with the table allreduced (--dense-pattern) nothing is
+    read stale; allreduce never brings rows, so it reads the table any way it likes."""
+    from gradsync.jobs import validate
+    from gradsync.strategies.hybrid import HybridOptions
+
+    path = _write(tmp_path, "edits.py", EDITS_IN_FORWARD)
+    for build in ("reads_whole", "positioned"):
+        model = f"{path}:{build}"
+        validate(TrainConfig(model=model, strategy="allreduce", workers=2, global_batch=8))
+    dense = HybridOptions(dense_patterns=("table.weight", "positions.weight"))
+    validate(
+        TrainConfig(
+            model=f"{path}:positioned", strategy="hybrid", workers=2, global_batch=8,
+            strategy_options=dense,
+        )
+    )  # fmt: skip
