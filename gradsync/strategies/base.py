@@ -271,22 +271,27 @@ class ServerStrategy(Strategy):
         return inbox, thread
 
 
-def check_one_dtype(strategy: str, params: Iterable[torch.Tensor]) -> None:
+def check_one_dtype(strategy: str, params: dict[str, torch.Tensor]) -> None:
     """UserError when the parameters a server strategy's servers keep come in several
     dtypes: a server keeps its shard in one flat buffer of one dtype, so one dtype would
-    be rounded into another.
+    be rounded into another. The message names a parameter of the rarest dtype.
 
     Example:
-        >>> check_one_dtype("ps", [torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
+        >>> odd = torch.zeros(2, dtype=torch.bfloat16)
+        >>> check_one_dtype("ps", {"a": torch.zeros(2), "b": torch.zeros(2), "c": odd})
         Traceback (most recent call last):
-        gradsync.errors.UserError: ps keeps each server's shard in one buffer of one dtype, ...
+        gradsync.errors.UserError: ps keeps ... but parameter c is bfloat16 while other ...
     """
-    dtypes = sorted({str(param.dtype).removeprefix("torch.") for param in params})
-    if len(dtypes) > 1:
+    by_dtype: dict[str, list[str]] = {}
+    for name, param in params.items():
+        by_dtype.setdefault(str(param.dtype).removeprefix("torch."), []).append(name)
+    if len(by_dtype) > 1:
+        rare = min(by_dtype, key=lambda dtype: len(by_dtype[dtype]))
+        others = " and ".join(sorted(d for d in by_dtype if d != rare))
         raise UserError(
-            f"{strategy} keeps each server's shard in one buffer of one dtype, but the "
-            f"parameters it serves are {' and '.join(dtypes)}; give them one dtype, or use "
-            "allreduce or ddp"
+            f"{strategy} keeps each server's shard in one buffer of one dtype, but parameter "
+            f"{by_dtype[rare][0]} is {rare} while other parameters it serves are {others}; "
+            "give them one dtype, or use allreduce or ddp"
         )
 
 

@@ -246,7 +246,7 @@ class Hybrid(ServerStrategy):
         from gradsync.models import workload_of
 
         params = dict(workload_of(config).model.named_parameters())
-        check_one_dtype(cls.name, [params[name] for name in sparse])
+        check_one_dtype(cls.name, {name: params[name] for name in sparse})
         optim = config.optim
         if optim.name != "sgd":
             raise UserError(

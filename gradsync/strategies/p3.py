@@ -156,7 +156,7 @@ class PriorityPropagation(ServerStrategy):
 
         workload = workload_of(config)
         trained = [(n, p) for n, p in workload.model.named_parameters() if p.requires_grad]
-        check_one_dtype(cls.name, [p for _, p in trained])
+        check_one_dtype(cls.name, dict(trained))
         variables = [(n, p.numel()) for n, p in trained]
         try:
             _slices(config, variables)

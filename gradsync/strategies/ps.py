@@ -121,7 +121,7 @@ class ParameterServer(ServerStrategy):
 
         workload = workload_of(config)
         params = {n: p for n, p in workload.model.named_parameters() if p.requires_grad}
-        check_one_dtype(cls.name, params.values())
+        check_one_dtype(cls.name, params)
         _plan(config, params)
 
     @classmethod
