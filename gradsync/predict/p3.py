@@ -253,9 +253,9 @@ class Job:
 
 
 class Group:
-    """Workers that move as one (one worker, up to :data:`MAX_GROUPS` workers): forward
-    layer by layer, each once its slices of the step before are back; backward, with the
-    slices queued as their gradients become ready."""
+    """Consecutive workers that move as one (each worker alone where there are at most
+    :data:`MAX_GROUPS`): forward layer by layer, each once its slices of the step before
+    are back; backward, with the slices queued as their gradients become ready."""
 
     def __init__(self, job: Job, index: int, members: range) -> None:
         self.job, self.index, self.members = job, index, members
