@@ -465,7 +465,7 @@ def test_servers_refuse_parameters_of_several_dtypes(tmp_path, strategy):
     config = TrainConfig(model=f"{path}:mixed", strategy=strategy, workers=2, global_batch=8)
     with pytest.raises(UserError, match=f"{strategy} keeps each server's shard in one buffer"):
         validate(config)
-    with pytest.raises(UserError, match="parameter first.weight is float32 while other"):
+    with pytest.raises(UserError, match=r"parameter first\.weight is float32 while other"):
         validate(config)  # names a parameter of the odd dtype
     validate(config.replace(strategy="allreduce", strategy_options=None))  # a bucket per dtype
 
