@@ -34,13 +34,13 @@ from typing import Any
 
 from gradsync.predict.network import Cluster
 from gradsync.predict.parts import (
-    COMM_TRACK,
     COMPUTE_TRACK,
     SERVER_TRACK,
     Pipe,
     Span,
     densified,
     layer_durations,
+    wire_span,
     with_server_layout,
 )
 from gradsync.predict.profile import Profile
@@ -231,16 +231,29 @@ class Job:
             slowdown = self.slowdowns[seconds] = self.net.duplex_slowdown(seconds)
         return pipe.transfer(now, seconds, opposite, slowdown)
 
-    def wire_span(
-        self, step: int, name: str, start: float, end: float, items: list[Item], copies: int
-    ) -> None:
-        """Keep the span of ``copies`` copies of ``items`` through the server transport."""
+    def send(
+        self,
+        now: float,
+        group: Group,
+        server: int,
+        items: list[Item],
+        *,
+        push: bool,
+        deliver: Callable[[float], None],
+    ) -> float:
+        """Every member's copy of ``items`` between ``group`` and ``server`` leaves at
+        ``now`` (``push``: toward the server), its span kept; ``deliver`` runs when the
+        last is in. Return that time."""
+        num_bytes = sum(piece.num_bytes for _, piece in items)
+        arrived = self.cross(now, group, server, num_bytes, push=push)
+        copies = group.routes[server].remote
         if copies:
-            num_bytes = copies * sum(piece.num_bytes for _, piece in items)
-            messages = copies * (2 if len(items) == 1 else 3)  # a bundle adds its manifest
-            self.spans.append(
-                (step, Span(COMM_TRACK, name, start, end - start, num_bytes, messages, True))
-            )
+            name = f"{'PUSH' if push else 'PULL'} layer{items[0][1].layer}"
+            messages = 2 if len(items) == 1 else 3  # a bundle adds its manifest
+            span = wire_span(name, now, arrived - now, num_bytes, messages, copies)
+            self.spans.append((items[0][0], span))
+        self.events.at(arrived, deliver)
+        return arrived
 
     def run(self) -> float:
         """Simulate :data:`STEPS` steps; return the mean length of the last ones."""
@@ -312,13 +325,10 @@ class Group:
         self.sender.put(now, (step, piece), peer=piece.server, priority=piece.priority, seq=order)
 
     def _push(self, now: float, server: int, items: list[Item]) -> float:
-        job = self.job
-        num_bytes = sum(piece.num_bytes for _, piece in items)
-        arrived = job.cross(now, self, server, num_bytes, push=True)
-        name = f"PUSH layer{items[0][1].layer}"
-        job.wire_span(items[0][0], name, now, arrived, items, self.routes[server].remote)
-        job.events.at(arrived, lambda t: job.servers[server].receive(t, self, items))
-        return arrived
+        receive = self.job.servers[server].receive
+        return self.job.send(
+            now, self, server, items, push=True, deliver=lambda t: receive(t, self, items)
+        )
 
     def answered(self, now: float, items: list[Item]) -> None:
         """Slices back from a server: a layer whose slices are all back may run."""
@@ -376,13 +386,10 @@ class Server:
             )
 
     def _answer(self, now: float, peer: int, items: list[Item]) -> float:
-        job = self.job
-        group = job.groups[peer]
-        back = job.cross(now, group, self.index, sum(p.num_bytes for _, p in items), push=False)
-        name = f"PULL layer{items[0][1].layer}"
-        job.wire_span(items[0][0], name, now, back, items, group.routes[self.index].remote)
-        job.events.at(back, lambda t: group.answered(t, items))
-        return back
+        group = self.job.groups[peer]
+        return self.job.send(
+            now, group, self.index, items, push=False, deliver=lambda t: group.answered(t, items)
+        )
 
 
 def slices_of(profile: Profile, options: P3Options, servers: int) -> list[Slice]:

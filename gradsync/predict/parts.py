@@ -36,6 +36,21 @@ class Span:
     cpu_s: float | None = None
 
 
+def wire_span(
+    name: str, start: float, duration: float, num_bytes: float, messages: int, copies: int
+) -> Span:
+    """The span of a push or pull through the server transport, with what it moves between
+    processes over the whole job: ``copies`` copies (one per worker in another process on
+    another host) of ``num_bytes``, each ``messages`` messages (a header and a payload; a
+    bundle of slices adds its manifest).
+
+    Example:
+        >>> wire_span("PUSH", 0.0, 1.0, num_bytes=100.0, messages=2, copies=3).num_bytes
+        300.0
+    """
+    return Span(COMM_TRACK, name, start, duration, copies * num_bytes, copies * messages, True)
+
+
 def densified(profile: Profile) -> Profile:
     """``profile`` as a strategy that makes sparse gradients dense in the backward hook runs
     it: each sparse variable's measured ``densify_s`` delays its own gradient and every one
@@ -127,5 +142,6 @@ __all__ = [
     "Span",
     "densified",
     "layer_durations",
+    "wire_span",
     "with_server_layout",
 ]

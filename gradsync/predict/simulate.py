@@ -61,6 +61,7 @@ from gradsync.predict.parts import (
     Pipe,
     Span,
     densified,
+    wire_span,
     with_server_layout,
 )
 from gradsync.predict.profile import Profile, VariableProfile
@@ -595,7 +596,9 @@ def _simulate_sync_ps(
         for what, chunk in links.advance(now):
             key = (what, chunk.server, chunk.index)
             name = f"{what} server {chunk.server} chunk {chunk.index}"
-            spans.append(_wire_span(name, began[key], now - began[key], cluster, chunk))
+            remote = cluster.remote_workers(chunk.server)
+            span = wire_span(name, began[key], now - began[key], chunk.num_bytes, 2, remote)
+            spans.append(span)
             if what == "PULL":
                 done = max(done, now)
                 continue
@@ -616,19 +619,6 @@ def _simulate_sync_ps(
     copy_out = total * profile.copy_s_per_byte
     spans.append(Span(COMPUTE_TRACK, "MEMCPY_OUT_PULL_BUFFER", synced, copy_out))
     return synced + copy_out, spans, 2 * total
-
-
-def _wire_span(
-    name: str, start: float, duration: float, cluster: Cluster, transfer: Any, messages: int = 2
-) -> Span:
-    """The span of one push or pull of ``transfer`` (``server``, ``num_bytes``) through the
-    server transport, with what it moves between processes over the whole job: one copy
-    per remote worker, each ``messages`` messages (a header and a payload; a p3 bundle adds
-    its manifest); a colocated worker's copy stays in its process."""
-    remote = cluster.remote_workers(transfer.server)
-    return Span(
-        COMM_TRACK, name, start, duration, remote * transfer.num_bytes, messages * remote, True
-    )
 
 
 def _simulate_async_ps(
