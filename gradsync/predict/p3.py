@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gradsync.predict.network import Cluster
@@ -47,6 +47,7 @@ from gradsync.predict.profile import Profile
 from gradsync.strategies.p3 import P3Options
 
 STEPS = 3  # steps simulated: the drift starts with the first answers; the last is timed
+LAST_STEP = STEPS - 1  # the step whose spans are kept
 MEASURED_STEPS = 1  # steps timed at the end, each group's, averaged
 MAX_GROUPS = 4  # workers simulated one by one; beyond, groups of consecutive workers
 
@@ -67,20 +68,29 @@ class Slice:
 Item = tuple[int, Slice]  # (step, slice)
 
 
+def message_bytes(items: list[Item]) -> float:
+    """The bytes of the slices one message carries."""
+    if len(items) == 1:  # the common case, on the simulation's hot path
+        return items[0][1].num_bytes
+    return sum(piece.num_bytes for _, piece in items)
+
+
 class Events:
-    """A discrete-event loop: actions run in time order (ties: the order they were set)."""
+    """A discrete-event loop: ``action(time, *args)`` runs in time order (ties: the order
+    they were set)."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[float], None]]] = []
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._order = itertools.count()
 
-    def at(self, time: float, action: Callable[[float], None]) -> None:
-        heapq.heappush(self._heap, (time, next(self._order), action))
+    def at(self, time: float, action: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (time, next(self._order), action, args))
 
     def run(self) -> None:
-        while self._heap:
-            time, _, action = heapq.heappop(self._heap)
-            action(time)
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            time, _, action, args = pop(heap)
+            action(time, *args)
 
 
 class Sender:
@@ -128,23 +138,29 @@ class Sender:
     def _wake(self, now: float) -> None:
         """Send what the window has room for; come back when the oldest is delivered."""
         self.wake_pending = False
-        while self.waiting:
-            while self.in_flight and self.in_flight[0][0] <= now:
-                self.num_in_flight -= self.in_flight.popleft()[1]
+        waiting, in_flight = self.waiting, self.in_flight
+        while waiting:
+            while in_flight and in_flight[0][0] <= now:
+                self.num_in_flight -= in_flight.popleft()[1]
             room = self.window - self.num_in_flight
             if room <= 0:
                 self.wake_pending = True
-                self.events.at(self.in_flight[0][0], self._wake)
+                self.events.at(in_flight[0][0], self._wake)
                 return
+            if self.limit == 1:  # one slice a message: the most urgent
+                _, _, peer, item = heapq.heappop(waiting)
+                in_flight.append((self.send(now, peer, [item]), 1))
+                self.num_in_flight += 1
+                continue
             for peer, items in self._take(room).items():
-                self.in_flight.append((self.send(now, peer, items), len(items)))
+                in_flight.append((self.send(now, peer, items), len(items)))
                 self.num_in_flight += len(items)
 
     def _take(self, room: int) -> dict[int, list[Any]]:
         _, _, peer, item = heapq.heappop(self.waiting)
         taken: dict[int, list[Any]] = {peer: [item]}
         count = 1
-        while self.limit > 1 and self.waiting and count < room:
+        while self.waiting and count < room:
             peer = self.waiting[0][2]
             if len(taken.get(peer, ())) >= self.limit:
                 break
@@ -175,7 +191,8 @@ class Job:
         from gradsync.comm.priority import send_window
 
         self.profile, self.cluster, self.slices = profile, cluster, slices
-        self.net = cluster.network
+        self.net = net = cluster.network
+        self.rate, self.intra_rate, self.wire_hop_s = net.rate, net.intra_rate, net.wire_hop_s
         self.events = Events()
         hosts = {cluster.worker_host(w) for w in range(cluster.workers)}
         hosts |= {cluster.server_host(s) for s in range(cluster.servers)}
@@ -183,7 +200,17 @@ class Job:
         self.into = {host: Pipe() for host in hosts}
         self.slowdowns: dict[float, float] = {}  # transfer seconds → duplex slowdown
         self.window, self.limit = send_window(slices_per_message), slices_per_message
-        self.spans: list[tuple[int, Span]] = []  # (step, span)
+        self.layer_seconds = layer_durations(profile)
+        self.slices_per_layer = [0] * len(self.layer_seconds)
+        for piece in slices:
+            self.slices_per_layer[piece.layer] += 1
+        # Consecutive slices ready at one instant, queued by one event as by one each.
+        self.ready_together = [
+            (ready_s, list(pieces))
+            for ready_s, pieces in itertools.groupby(slices, key=lambda p: p.ready_s)
+        ]
+        self.spans: list[Span] = []  # the last step's, from group 0's forward start
+        self.origin = 0.0  # that start: set before any of the step's spans can begin
         count = min(cluster.workers, MAX_GROUPS)
         bounds = [round(g * cluster.workers / count) for g in range(count + 1)]
         self.groups = [
@@ -191,15 +218,24 @@ class Job:
         ]
         self.servers = [Server(self, index) for index in range(cluster.servers)]
 
-    def route(self, members: range, server: int) -> Route:
-        """How ``members``' copies travel between them and ``server``."""
+    def pipes(self, group_host: int, server: int) -> dict[bool, tuple[Pipe, Pipe, Pipe, Pipe]]:
+        """The link directions a copy crosses toward ``server`` (True) and back (False),
+        each with its opposite: the group host's, then the server host's."""
+        host = self.cluster.server_host(server)
+        out, into = self.out[group_host], self.into[group_host]
+        server_in, server_out = self.into[host], self.out[host]
+        return {True: (out, into, server_in, server_out), False: (into, out, server_out, server_in)}
+
+    def route(self, members: range, on_hosts: Counter[int], server: int) -> Route:
+        """How ``members`` (``on_hosts``: how many on each host) move their copies between
+        them and ``server``."""
         cluster = self.cluster
-        in_memory = sum(cluster.colocate and server % cluster.workers == w for w in members)
+        in_memory = int(cluster.colocate and server % cluster.workers in members)
         host = cluster.server_host(server)
-        same_host = sum(cluster.worker_host(w) == host for w in members) - in_memory
+        same_host = on_hosts[host] - in_memory
         remote = len(members) - in_memory - same_host
         last = cluster.worker_host(members[-1])
-        on_link = 0 if last == host else sum(cluster.worker_host(w) == last for w in members)
+        on_link = 0 if last == host else on_hosts[last]
         return Route(in_memory, same_host, remote, on_link)
 
     def cross(
@@ -210,17 +246,13 @@ class Job:
         route = group.routes[server]
         arrived = now
         if route.same_host:
-            arrived = now + route.same_host * num_bytes / self.net.intra_rate
+            arrived = now + route.same_host * num_bytes / self.intra_rate
         if route.remote:
-            seconds = num_bytes / self.net.rate
-            worker_pipes = (self.out[group.host], self.into[group.host])
-            server_host = self.cluster.server_host(server)
-            server_pipes = (self.into[server_host], self.out[server_host])
-            if not push:
-                worker_pipes, server_pipes = worker_pipes[::-1], server_pipes[::-1]
-            at_worker = self._transfer(now, route.on_link * seconds, *worker_pipes)
-            at_server = self._transfer(now, route.remote * seconds, *server_pipes)
-            arrived = max(arrived, max(at_worker, at_server) + self.net.wire_hop_s)
+            seconds = num_bytes / self.rate
+            worker, worker_back, at_server, server_back = group.pipes[server][push]
+            at_worker = self._transfer(now, route.on_link * seconds, worker, worker_back)
+            at_server = self._transfer(now, route.remote * seconds, at_server, server_back)
+            arrived = max(arrived, max(at_worker, at_server) + self.wire_hop_s)
         return arrived
 
     def _transfer(self, now: float, seconds: float, pipe: Pipe, opposite: Pipe) -> float:
@@ -239,20 +271,21 @@ class Job:
         items: list[Item],
         *,
         push: bool,
-        deliver: Callable[[float], None],
+        deliver: Callable[..., None],
+        args: tuple[Any, ...],
     ) -> float:
         """Every member's copy of ``items`` between ``group`` and ``server`` leaves at
-        ``now`` (``push``: toward the server), its span kept; ``deliver`` runs when the
-        last is in. Return that time."""
-        num_bytes = sum(piece.num_bytes for _, piece in items)
+        ``now`` (``push``: toward the server), its span kept; ``deliver(time, *args)`` runs
+        when the last is in. Return that time."""
+        num_bytes = message_bytes(items)
         arrived = self.cross(now, group, server, num_bytes, push=push)
         copies = group.routes[server].remote
-        if copies:
+        if copies and items[0][0] == LAST_STEP:
             name = f"{'PUSH' if push else 'PULL'} layer{items[0][1].layer}"
             messages = 2 if len(items) == 1 else 3  # a bundle adds its manifest
-            span = wire_span(name, now, arrived - now, num_bytes, messages, copies)
-            self.spans.append((items[0][0], span))
-        self.events.at(arrived, deliver)
+            start = now - self.origin
+            self.spans.append(wire_span(name, start, arrived - now, num_bytes, messages, copies))
+        self.events.at(arrived, deliver, *args)
         return arrived
 
     def run(self) -> float:
@@ -273,10 +306,12 @@ class Group:
     def __init__(self, job: Job, index: int, members: range) -> None:
         self.job, self.index, self.members = job, index, members
         self.host = job.cluster.worker_host(members[-1])
-        self.routes = [job.route(members, s) for s in range(job.cluster.servers)]
+        on_hosts = Counter(job.cluster.worker_host(w) for w in members)
+        self.routes = [job.route(members, on_hosts, s) for s in range(job.cluster.servers)]
+        self.pipes = [job.pipes(self.host, s) for s in range(job.cluster.servers)]
         self.sender = Sender(job.events, self._push, window=job.window, limit=job.limit)
         self.queued = itertools.count()
-        self.layer_seconds = layer_durations(job.profile)
+        self.layer_seconds = job.layer_seconds
         self.step, self.layer = 0, 0
         self.blocked_since: float | None = None
         self.backward_ends: list[float] = []
@@ -307,27 +342,31 @@ class Group:
     def _backward(self, start: float) -> None:
         profile, step = self.job.profile, self.step
         self._span("BACKWARD", start, profile.backward_s)
-        self.missing[step] = [0] * len(self.layer_seconds)
-        for piece in self.job.slices:
-            self.missing[step][piece.layer] += 1
-            self.job.events.at(
-                start + piece.ready_s, lambda now, p=piece: self._ready(now, step, p)
-            )
+        self.missing[step] = list(self.job.slices_per_layer)
+        for ready_s, pieces in self.job.ready_together:
+            self.job.events.at(start + ready_s, self._ready, step, pieces)
         end = start + profile.backward_s
+        if self.index == 0 and step == LAST_STEP - 1:
+            # Every slice of the last step waits for this group's copies of this one, and
+            # those are queued from here: no span of the last step can be recorded sooner.
+            self.job.origin = end
         self.backward_ends.append(end)
         self.step, self.layer = step + 1, 0
         if self.step < STEPS:
             self.job.events.at(end, self.forward)
 
-    def _ready(self, now: float, step: int, piece: Slice) -> None:
+    def _ready(self, now: float, step: int, pieces: list[Slice]) -> None:
         # Ties (and every slice, without priority) go in the order they were queued.
-        order = next(self.queued)
-        self.sender.put(now, (step, piece), peer=piece.server, priority=piece.priority, seq=order)
+        for piece in pieces:
+            order = next(self.queued)
+            self.sender.put(
+                now, (step, piece), peer=piece.server, priority=piece.priority, seq=order
+            )
 
     def _push(self, now: float, server: int, items: list[Item]) -> float:
         receive = self.job.servers[server].receive
         return self.job.send(
-            now, self, server, items, push=True, deliver=lambda t: receive(t, self, items)
+            now, self, server, items, push=True, deliver=receive, args=(self, items)
         )
 
     def answered(self, now: float, items: list[Item]) -> None:
@@ -338,8 +377,8 @@ class Group:
             self.forward(now)
 
     def _span(self, name: str, start: float, seconds: float) -> None:
-        if self.index == 0:  # the trace shows the first worker's compute
-            self.job.spans.append((self.step, Span(COMPUTE_TRACK, name, start, seconds)))
+        if self.index == 0 and self.step == LAST_STEP:  # the trace: the first worker's
+            self.job.spans.append(Span(COMPUTE_TRACK, name, start - self.job.origin, seconds))
 
 
 class Server:
@@ -363,7 +402,7 @@ class Server:
         net, slowdown = cluster.network, cluster.server_slowdown
         messages = len(group.members) - group.routes[self.index].in_memory
         if messages:  # the Python half of each receive
-            taking = messages * net.serial_s(sum(piece.num_bytes for _, piece in items)) / 2
+            taking = messages * net.serial_s(message_bytes(items)) / 2
             now = self.cpu.hold(now, taking * slowdown)
         for step, piece in items:
             key = (step, piece.seq)
@@ -375,9 +414,11 @@ class Server:
             work += self.processes * net.serial_s(piece.num_bytes) / 2  # the answers' sends
             wall = work * slowdown
             applied = self.cpu.hold(now, wall)
-            name = f"AGGREGATE_APPLY layer{piece.layer}"
-            job.spans.append((step, Span(SERVER_TRACK, name, applied - wall, wall, cpu_s=work)))
-            job.events.at(applied, lambda t, item=(step, piece): self._queue(t, item))
+            if step == LAST_STEP:
+                name = f"AGGREGATE_APPLY layer{piece.layer}"
+                start = applied - wall - job.origin
+                job.spans.append(Span(SERVER_TRACK, name, start, wall, cpu_s=work))
+            job.events.at(applied, self._queue, (step, piece))
 
     def _queue(self, now: float, item: Item) -> None:
         for group in self.job.groups:
@@ -388,7 +429,7 @@ class Server:
     def _answer(self, now: float, peer: int, items: list[Item]) -> float:
         group = self.job.groups[peer]
         return self.job.send(
-            now, group, self.index, items, push=False, deliver=lambda t: group.answered(t, items)
+            now, group, self.index, items, push=False, deliver=group.answered, args=(items,)
         )
 
 
@@ -425,12 +466,7 @@ def simulate_p3(
     servers = options.num_servers(cluster.workers)
     cluster = with_server_layout(cluster, servers, colocate=options.colocate)
     job = Job(profile, cluster, slices_of(profile, options, servers), options.slices_per_message)
-    step_s = job.run()
-    origin = job.groups[0].backward_ends[-2]
-    last = [
-        replace(span, start=span.start - origin) for step, span in job.spans if step == STEPS - 1
-    ]
-    return step_s, last, 2.0 * profile.num_bytes
+    return job.run(), job.spans, 2.0 * profile.num_bytes
 
 
 __all__ = ["MAX_GROUPS", "simulate_p3"]
