@@ -249,9 +249,9 @@ class Job:
             arrived = now + route.same_host * num_bytes / self.intra_rate
         if route.remote:
             seconds = num_bytes / self.rate
-            worker, worker_back, at_server, server_back = group.pipes[server][push]
-            at_worker = self._transfer(now, route.on_link * seconds, worker, worker_back)
-            at_server = self._transfer(now, route.remote * seconds, at_server, server_back)
+            worker_pipe, worker_back, server_pipe, server_back = group.pipes[server][push]
+            at_worker = self._transfer(now, route.on_link * seconds, worker_pipe, worker_back)
+            at_server = self._transfer(now, route.remote * seconds, server_pipe, server_back)
             arrived = max(arrived, max(at_worker, at_server) + self.wire_hop_s)
         return arrived
 
