@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -379,7 +380,7 @@ def check_profile_fields(raw: dict[str, Any], source: str) -> None:
 
 def _check_fields(raw: dict[str, Any], kind: type, source: str, *, prefix: str) -> None:
     """Each field of ``kind`` present in ``raw`` has its declared type (and range)."""
-    hints = typing.get_type_hints(kind)
+    hints = _type_hints(kind)
     for name, value in raw.items():
         hint = hints.get(name)
         if hint is None or name in ("layers", "variables"):
@@ -387,6 +388,13 @@ def _check_fields(raw: dict[str, Any], kind: type, source: str, *, prefix: str) 
         expected = _type_problem(name, value, hint)
         if expected:
             _refuse(source, prefix + name, value, expected)
+
+
+@functools.cache
+def _type_hints(kind: type) -> dict[str, Any]:
+    """``kind``'s field types, resolved once: resolving them evaluates every annotation
+    (they are strings here), and a profile checks one entry per layer and variable."""
+    return typing.get_type_hints(kind)
 
 
 def _type_problem(name: str, value: Any, hint: Any) -> str | None:
