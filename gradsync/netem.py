@@ -70,23 +70,27 @@ _RATE_UNITS = {
 }
 
 
-def parse_rate(text: str) -> int:
-    """A link rate in ``tc`` notation, as bits per second.
+def parse_rate(text: str, option: str = "--bandwidth") -> int:
+    """A link rate in ``tc`` notation, as bits per second (``option`` names it in errors).
 
     Example:
         >>> parse_rate("1gbit"), parse_rate("200mbit"), parse_rate("2.5Gbit"), parse_rate("1mbps")
         (1000000000, 200000000, 2500000000, 8000000)
+        >>> parse_rate("fast", "x.toml: bandwidths")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: x.toml: bandwidths 'fast' is not a rate; write a number and...
     """
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _RATE_UNITS:
         raise UserError(
-            f"--bandwidth {text!r} is not a rate; write a number and a unit, e.g. 1gbit, "
+            f"{option} {text!r} is not a rate; write a number and a unit, e.g. 1gbit, "
             f"200mbit or 10gbit (units: {', '.join(_RATE_UNITS)})"
         )
     bits = round(float(match.group(1)) * _RATE_UNITS[unit])
     if bits < 10**5:
-        raise UserError(f"--bandwidth {text} is below 100kbit; use at least 100kbit")
+        raise UserError(f"{option} {text} is below 100kbit; use at least 100kbit")
     return bits
 
 

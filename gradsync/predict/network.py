@@ -48,11 +48,7 @@ def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
     """
     from gradsync.netem import parse_rate
 
-    try:
-        bits = parse_rate(text)
-    except UserError as error:  # netem's words name its own flag, --bandwidth
-        raise UserError(str(error).replace("--bandwidth", option, 1)) from None
-    return bits / 8
+    return parse_rate(text, option) / 8
 
 
 def parse_latency(text: str, option: str = "--latency") -> float:

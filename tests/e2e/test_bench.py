@@ -148,6 +148,10 @@ BAD_FILES = {
     "a value twice": ('models = ["mnist-cnn"]\nworkers = [2, 2]\n', "workers lists 2 twice"),
     "no cells": ('models = ["mnist-cnn"]\nstrategies = ["single"]\n', "the matrix has no cells"),
     "empty data": ('models = ["mnist-cnn"]\ndata = ""\n', "names no path"),
+    "not a rate": (  # named as the file's key, not as train's --bandwidth
+        'models = ["mnist-cnn"]\nbandwidths = ["1gbit", "fast"]\n',
+        "bad.toml: bandwidths entry 'fast' is not a rate",
+    ),
 }
 
 
