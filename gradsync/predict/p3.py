@@ -157,6 +157,8 @@ class Sender:
                 self.num_in_flight += len(items)
 
     def _take(self, room: int) -> dict[int, list[Any]]:
+        """The most urgent item and those right behind it, by peer (``limit`` > 1: with one
+        slice a message, :meth:`_wake` takes the most urgent itself)."""
         _, _, peer, item = heapq.heappop(self.waiting)
         taken: dict[int, list[Any]] = {peer: [item]}
         count = 1
@@ -183,7 +185,8 @@ class Route:
 
 class Job:
     """The groups of workers, the servers and the host links of one simulated p3 job, and
-    the spans of its steps (group 0's compute, every copy, every server's work)."""
+    the spans of its last step (group 0's compute, every copy, every server's work), in
+    seconds from group 0's start of that step."""
 
     def __init__(
         self, profile: Profile, cluster: Cluster, slices: list[Slice], slices_per_message: int
@@ -204,13 +207,14 @@ class Job:
         self.slices_per_layer = [0] * len(self.layer_seconds)
         for piece in slices:
             self.slices_per_layer[piece.layer] += 1
-        # Consecutive slices ready at one instant, queued by one event as by one each.
+        # Consecutive slices ready at one instant, queued by one event: as events of their
+        # own they would run back to back (set one after another for the same time).
         self.ready_together = [
             (ready_s, list(pieces))
             for ready_s, pieces in itertools.groupby(slices, key=lambda p: p.ready_s)
         ]
         self.spans: list[Span] = []  # the last step's, from group 0's forward start
-        self.origin = 0.0  # that start: set before any of the step's spans can begin
+        self.origin = 0.0  # that start: set before any span of the step is recorded
         count = min(cluster.workers, MAX_GROUPS)
         bounds = [round(g * cluster.workers / count) for g in range(count + 1)]
         self.groups = [
@@ -218,7 +222,7 @@ class Job:
         ]
         self.servers = [Server(self, index) for index in range(cluster.servers)]
 
-    def pipes(self, group_host: int, server: int) -> dict[bool, tuple[Pipe, Pipe, Pipe, Pipe]]:
+    def link_pipes(self, group_host: int, server: int) -> dict[bool, tuple[Pipe, Pipe, Pipe, Pipe]]:
         """The link directions a copy crosses toward ``server`` (True) and back (False),
         each with its opposite: the group host's, then the server host's."""
         host = self.cluster.server_host(server)
@@ -308,7 +312,7 @@ class Group:
         self.host = job.cluster.worker_host(members[-1])
         on_hosts = Counter(job.cluster.worker_host(w) for w in members)
         self.routes = [job.route(members, on_hosts, s) for s in range(job.cluster.servers)]
-        self.pipes = [job.pipes(self.host, s) for s in range(job.cluster.servers)]
+        self.pipes = [job.link_pipes(self.host, s) for s in range(job.cluster.servers)]
         self.sender = Sender(job.events, self._push, window=job.window, limit=job.limit)
         self.queued = itertools.count()
         self.layer_seconds = job.layer_seconds

@@ -112,7 +112,7 @@ class Pipe:
             >>> back.hold(0.0, 1.0), out.transfer(0.0, 1.0, back, slowdown=1.5), back.free
             (1.0, 1.0, 1.5)
         """
-        start = ready if ready > self.free else self.free  # max(), on the hot path
+        start = ready if ready > self.free else self.free  # the later; no call on the hot path
         crossed = self.free = start + seconds
         both_ways = min(crossed, opposite.free) - start
         if slowdown > 1.0 and both_ways > 0:

@@ -28,8 +28,9 @@ import os
 import platform
 import statistics
 import time
+import types
 import typing
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,10 +392,11 @@ def _check_fields(raw: dict[str, Any], kind: type, source: str, *, prefix: str) 
 
 
 @functools.cache
-def _type_hints(kind: type) -> dict[str, Any]:
+def _type_hints(kind: type) -> Mapping[str, Any]:
     """``kind``'s field types, resolved once: resolving them evaluates every annotation
-    (they are strings here), and a profile checks one entry per layer and variable."""
-    return typing.get_type_hints(kind)
+    (they are strings here), and a profile checks one entry per layer and variable.
+    Read-only, as every caller shares it."""
+    return types.MappingProxyType(typing.get_type_hints(kind))
 
 
 def _type_problem(name: str, value: Any, hint: Any) -> str | None:
