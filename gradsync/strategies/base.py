@@ -221,10 +221,7 @@ class ServerStrategy(Strategy):
     @classmethod
     def held_by_servers(cls, config: TrainConfig) -> set[str]:
         """Every trainable parameter (``hybrid`` keeps only its sparse tables there)."""
-        from gradsync.models import workload_of
-
-        model = workload_of(config).model
-        return {name for name, param in model.named_parameters() if param.requires_grad}
+        return set(trainable_parameters(config))
 
     def restore_state(self, tensors: dict[str, torch.Tensor], steps_done: int) -> None:
         """Every worker takes the checkpoint's values (its first forward reads them) and
@@ -269,6 +266,19 @@ class ServerStrategy(Strategy):
             name=f"{self.name} server {server}",
         )
         return inbox, thread
+
+
+def trainable_parameters(config: TrainConfig) -> dict[str, nn.Parameter]:
+    """The parameters of ``config``'s model that train, by name, from a model built for
+    the pre-launch checks: what the servers of ``ps`` and ``p3`` hold.
+
+    Example:
+        >>> # sorted(trainable_parameters(TrainConfig(model="mnist-cnn")))[:1]  # ['conv1.bias']
+    """
+    from gradsync.models import workload_of
+
+    model = workload_of(config).model
+    return {name: param for name, param in model.named_parameters() if param.requires_grad}
 
 
 def check_one_dtype(strategy: str, params: dict[str, torch.Tensor]) -> None:

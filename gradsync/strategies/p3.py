@@ -107,7 +107,13 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
 from gradsync.options import option
-from gradsync.strategies.base import Context, ServerOptions, ServerStrategy, check_one_dtype
+from gradsync.strategies.base import (
+    Context,
+    ServerOptions,
+    ServerStrategy,
+    check_one_dtype,
+    trainable_parameters,
+)
 from gradsync.trace import COMPUTE, Phase
 
 DEFAULT_SLICE_SIZE = 40_000
@@ -152,12 +158,9 @@ class PriorityPropagation(ServerStrategy):
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         """Fail before launch when the model has fewer slices than servers."""
-        from gradsync.models import workload_of
-
-        workload = workload_of(config)
-        trained = [(n, p) for n, p in workload.model.named_parameters() if p.requires_grad]
-        check_one_dtype(cls.name, dict(trained))
-        variables = [(n, p.numel()) for n, p in trained]
+        trained = trainable_parameters(config)
+        check_one_dtype(cls.name, trained)
+        variables = [(n, p.numel()) for n, p in trained.items()]
         try:
             _slices(config, variables)
         except UserError as error:

@@ -53,7 +53,13 @@ from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
 from gradsync.options import option
-from gradsync.strategies.base import Context, ServerOptions, ServerStrategy, check_one_dtype
+from gradsync.strategies.base import (
+    Context,
+    ServerOptions,
+    ServerStrategy,
+    check_one_dtype,
+    trainable_parameters,
+)
 from gradsync.trace import COMPUTE, Phase
 
 
@@ -117,10 +123,7 @@ class ParameterServer(ServerStrategy):
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         """Fail before launch when the model has fewer variables than servers."""
-        from gradsync.models import workload_of
-
-        workload = workload_of(config)
-        params = {n: p for n, p in workload.model.named_parameters() if p.requires_grad}
+        params = trainable_parameters(config)
         check_one_dtype(cls.name, params)
         _plan(config, params)
 
