@@ -193,7 +193,7 @@ class Job:
     ) -> None:
         from gradsync.comm.priority import send_window
 
-        self.profile, self.cluster, self.slices = profile, cluster, slices
+        self.profile, self.cluster = profile, cluster
         self.net = net = cluster.network
         self.rate, self.intra_rate, self.wire_hop_s = net.rate, net.intra_rate, net.wire_hop_s
         self.events = Events()
