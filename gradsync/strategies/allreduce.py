@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from gradsync.comm.counters import CommStats
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.row_allgather import RowAllgather
 from gradsync.config import TrainConfig
@@ -50,6 +51,29 @@ class FusionOptions(StrategyOptions):
     def first_bucket_bytes(self) -> int | None:
         return int(self.first_bucket_mb * 2**20) if self.first_bucket_mb > 0 else None
 
+    def fused_allreduce(
+        self, named: list[tuple[str, nn.Parameter]], context: Context, stats: CommStats
+    ) -> FusedAllreduce:
+        """Fusion buffers over ``named`` as these options size and compress them, among
+        the workers, their hooks attached (they fire from the next backward).
+
+        Example:
+            >>> # fused = options.fused_allreduce(model.named_parameters(), context, counters)
+        """
+        fused = FusedAllreduce(
+            [p for _, p in named],
+            names=[name for name, _ in named],
+            timeline=context.timeline,
+            threshold_bytes=int(self.fusion_threshold_mb * 2**20),
+            first_bucket_bytes=self.first_bucket_bytes,
+            group=context.worker_group,
+            world_size=context.num_workers,
+            stats=stats,
+            fp16=self.fp16_compression,
+        )
+        fused.attach()
+        return fused
+
 
 @dataclass(frozen=True, kw_only=True)
 class AllreduceOptions(FusionOptions):
@@ -84,18 +108,7 @@ class HorovodAllreduce(Strategy):
             timeline=context.timeline,
         )
         named = [(name, p) for name, p in named if name not in sparse]
-        self.fused = FusedAllreduce(
-            [p for _, p in named],
-            names=[name for name, _ in named],
-            timeline=context.timeline,
-            threshold_bytes=int(options.fusion_threshold_mb * 2**20),
-            first_bucket_bytes=options.first_bucket_bytes,
-            group=context.worker_group,
-            world_size=context.num_workers,
-            stats=self.counters,
-            fp16=options.fp16_compression,
-        )
-        self.fused.attach()
+        self.fused = options.fused_allreduce(named, context, self.counters)
         self.updater = context.make_updater(model.parameters())
         return model
 

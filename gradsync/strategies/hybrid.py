@@ -48,7 +48,6 @@ from torch import Tensor, nn
 
 from gradsync.checkpoint import OPTIM, PARAM, model_state
 from gradsync.comm.counters import CommStats
-from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.groups import node_local_group
 from gradsync.comm.objects import broadcast_json, broadcast_tensors
 from gradsync.comm.prefetch import RowPredictor, forward_indices, missing_rows
@@ -376,18 +375,7 @@ class Hybrid(ServerStrategy):
                 )
         self.sparse_counters = CommStats()
         options = config.strategy_options
-        self.fused = FusedAllreduce(
-            [p for _, p in dense],
-            names=[n for n, _ in dense],
-            timeline=context.timeline,
-            threshold_bytes=int(options.fusion_threshold_mb * 2**20),
-            first_bucket_bytes=options.first_bucket_bytes,
-            group=context.worker_group,
-            world_size=context.num_workers,
-            stats=self.counters,
-            fp16=options.fp16_compression,
-        )
-        self.fused.attach()
+        self.fused = options.fused_allreduce(dense, context, self.counters)
         # Sparse variables get no optimizer here: the servers own their update.
         self._placeholder = nn.Parameter(torch.zeros(1))  # keeps the lr schedule without dense
         self.updater = context.make_updater([p for _, p in dense] or [self._placeholder])
