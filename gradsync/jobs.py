@@ -25,6 +25,7 @@ from gradsync.probe import lookup_tables
 from gradsync.resume import check_resume, checkpoint_step, resumable
 from gradsync.rundir import check_writable, claim_output_file, claim_run_dir
 from gradsync.strategies import check_strategy, strategy_class, world_size_of
+from gradsync.strategies.base import lost_edit
 
 LOG_FILE = "stdout.log"
 
@@ -44,6 +45,8 @@ def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True)
 
 def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
     check_model(config.model, config.preset, config.model_options)
+    if is_user_model(config.model):  # the strategies' own checks size every parameter
+        _check_made(config, workload_of(config).model)
     check_strategy(config)
     if local and not one_rank:
         check_local_ranks(world_size_of(config) // config.launch.num_nodes)
@@ -71,10 +74,8 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
         )
 
 
-def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) -> None:
-    """What no strategy can train right: complex parameters, parameters a lazy module has
-    not made yet, lookup tables that renormalize the rows a batch reads (``max_norm``), and
-    BatchNorm layers with a forward of their own under global BatchNorm."""
+def _check_made(config: TrainConfig, model: torch.nn.Module) -> None:
+    """UserError for a parameter that a lazy module has not made yet."""
     lazy = [n for n, p in model.named_parameters() if isinstance(p, UninitializedParameter)]
     if lazy and config.strategy != "single":
         raise UserError(
@@ -82,6 +83,14 @@ def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) ->
             "every strategy sizes its buffers and shares the initial values before the first "
             "forward; run one forward on an example input in your build function"
         )
+
+
+def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) -> None:
+    """What no strategy can train right: complex parameters, parameters a lazy module has
+    not made yet (:func:`_check_made`), lookup tables that renormalize the rows a batch
+    reads (``max_norm``), and BatchNorm layers with a forward of their own under global
+    BatchNorm."""
+    _check_made(config, model)
     if config.workers > 1:
         renormalized = [n for n, t in lookup_tables(model).items() if t.max_norm is not None]
         if renormalized:
@@ -138,13 +147,7 @@ def _check_edits_last(config: TrainConfig, edited: set[str]) -> None:
     the strategy's servers hold: the servers never see the change."""
     lost = sorted(edited & strategy_class(config.strategy).held_by_servers(config))
     if lost:
-        raise UserError(
-            f"the model changes parameter {lost[0]} in place during forward (a clamp_ under "
-            f"no_grad, say), but under {config.strategy} its values live on the servers, "
-            "which overwrite each worker's copy every step, so the change would be lost; "
-            "compute with a changed copy instead (F.linear(x, w.clamp(-c, c))), or train with "
-            "allreduce or ddp"
-        )
+        raise UserError(lost_edit(lost[0], config.strategy))
 
 
 def _check_lookups_only(config: TrainConfig, read_elsewhere: set[str]) -> None:

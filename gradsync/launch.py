@@ -91,7 +91,17 @@ class RankProcess:
 
     def lost_connection(self) -> bool:
         """Whether this rank's own error is a connection a dead peer closed (a victim)."""
-        return any(marker in line for line in self.tail for marker in LOST_CONNECTION)
+        return any(is_lost_connection(line) for line in self.tail)
+
+
+def is_lost_connection(text: str) -> bool:
+    """Whether ``text`` (an error) says a peer closed or refused the connection.
+
+    Example:
+        >>> is_lost_connection("pair.cc:553] Connection closed by peer"), is_lost_connection("x")
+        (True, False)
+    """
+    return any(marker in text for marker in LOST_CONNECTION)
 
 
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")

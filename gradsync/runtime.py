@@ -22,13 +22,14 @@ import torch.distributed as dist
 from gradsync.allocator import keep_step_memory
 from gradsync.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from gradsync.comm.batchnorm import convert_batchnorm, has_batchnorm
+from gradsync.comm.wire import TransportError
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed, shard_bounds
 from gradsync.errors import UserError
 from gradsync.evaluate import validation_accuracy
 from gradsync.files import atomic_write_text
 from gradsync.heartbeat import beat, beating
-from gradsync.launch import STOPPED_PREFIX
+from gradsync.launch import STOPPED_PREFIX, is_lost_connection
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import workload_of
 from gradsync.models.base import Workload
@@ -387,6 +388,14 @@ def main(argv: list[str]) -> int:
         return stop.exit_code  # the launcher (or the batch system) stopped this rank
     except KeyboardInterrupt:
         return 130
+    except TransportError as error:
+        if not is_lost_connection(str(error)):
+            traceback.print_exc()
+            sys.stderr.flush()
+            return 1
+        # A peer stopped first and says why itself: this rank's part is one line.
+        print(f"gradsync: stopped after a peer: {error}", file=sys.stderr, flush=True)
+        return 1
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

@@ -17,7 +17,7 @@ from gradsync.errors import UserError
 from gradsync.heartbeat import beat
 from gradsync.metrics import StepRecord
 from gradsync.models.base import Workload
-from gradsync.strategies.base import Context, Strategy
+from gradsync.strategies.base import Context, Strategy, lost_edit
 from gradsync.trace import COMPUTE, Phase
 
 
@@ -45,6 +45,7 @@ def train(
     module = strategy.setup(workload.model, context)
     frozen = FrozenParameters(workload.model)
     first_step = restore(strategy) if restore is not None else 0
+    edits = ServerValues(workload.model, strategy.overwritten_by_servers(), strategy.name)
     timeline.instrument_forward(workload.model)
     module.train()
     # Worker k of N takes the k-th contiguous shard of every step's global batch.
@@ -61,6 +62,7 @@ def train(
             output = module(*batch.inputs, **batch.shared)
             loss = workload.loss(output, batch.targets)
         check_loss(loss, step, context.rank)
+        edits.check(step, context.rank)
         beat("backward", step)
         with timeline.span(COMPUTE, Phase.BACKWARD):
             loss.backward()
@@ -68,6 +70,7 @@ def train(
         beat("sync", step)
         # Sync point: communication completes and the parameters are updated here.
         strategy.step()
+        edits.mark()  # the servers' values, just installed
         elapsed = time.perf_counter() - started
         timeline.record_step(step, started, elapsed)
 
@@ -126,6 +129,41 @@ class FrozenParameters:
                     "parameters trainable at the start, so its copies would differ between "
                     "workers; set requires_grad before training, not during it"
                 )
+
+
+class ServerValues:
+    """The parameters whose values the strategy's servers hold, which the model must not
+    change in place: the next step's values from the servers would undo the change without
+    a word. The launcher's check sees one trial forward; this one sees every step's forward
+    and loss, so a change that depends on the data or the step is caught where it happens.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> values = ServerValues(model, {"weight"}, "ps")
+        >>> with torch.no_grad():
+        ...     model.weight.clamp_(-0.1, 0.1)  # doctest: +ELLIPSIS
+        Parameter containing:...
+        >>> values.check(step=3, rank=0)
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: the model changes parameter weight in place during forward ...
+    """
+
+    def __init__(self, model: torch.nn.Module, names: set[str], strategy: str) -> None:
+        self.params = [(n, p) for n, p in model.named_parameters() if n in names]
+        self.strategy = strategy
+        self.mark()
+
+    def mark(self) -> None:
+        """The versions to compare with: the values as the strategy has just set them."""
+        self.versions = [param._version for _, param in self.params]
+
+    def check(self, step: int, rank: int) -> None:
+        """UserError when forward or the loss changed one of them in place since :meth:`mark`."""
+        for (name, param), version in zip(self.params, self.versions, strict=True):
+            if param._version != version:
+                where = f" at step {step} on rank {rank}"
+                raise UserError(lost_edit(name, self.strategy, where))
 
 
 class LossNotFinite(Exception):

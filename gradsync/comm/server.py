@@ -222,8 +222,8 @@ class ShardState:
             scalar = key.endswith(SCALAR)
             key = key.removesuffix(SCALAR)
             for slot, piece in zip(self.slots, flat.split(self.sizes), strict=True):
-                if scalar:
-                    state[slot][key] = torch.tensor(float(piece[0]))
+                if scalar:  # an empty slot kept no copy: it counts afresh, on no element
+                    state[slot][key] = torch.tensor(float(piece[0]) if piece.numel() else 0.0)
                 else:
                     state[slot][key] = piece.clone().view_as(slot)
 
@@ -249,7 +249,8 @@ def assemble_variable(
     parts: Sequence[tuple[Piece, dict[str, Tensor]]], shape: torch.Size, name: str
 ) -> dict[str, Tensor]:
     """One variable's checkpoint tensors from its pieces (in element order) and the states
-    of the servers holding them (keys of :meth:`ShardState.state_tensors`).
+    of the servers holding them (keys of :meth:`ShardState.state_tensors`). A variable of
+    no elements has no scalar state (Adam's ``step``), which acts on nothing anyway.
 
     Example:
         >>> state = {"values": torch.arange(4.0), "optim/step@scalar": torch.full((4,), 3.0)}
@@ -263,7 +264,8 @@ def assemble_variable(
         if key == "values":
             tensors[PARAM + name] = flat.view(shape)
         elif key.endswith(SCALAR):
-            tensors[OPTIM + name + key[len("optim") : -len(SCALAR)]] = flat[0].clone()
+            if flat.numel():  # repeated over the elements: an empty variable has no copy
+                tensors[OPTIM + name + key[len("optim") : -len(SCALAR)]] = flat[0].clone()
         else:
             tensors[OPTIM + name + key[len("optim") :]] = flat.view(shape)
     return tensors

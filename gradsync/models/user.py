@@ -16,7 +16,7 @@ import importlib.util
 import inspect
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,13 +220,28 @@ class MapStyleSamples(IndexedSamples):
         if count == 0:
             raise UserError(f"{owner}'s dataset is empty; return one with samples")
         super().__init__(count, seed)
-        self.dataset = dataset
+        self.dataset, self.owner = dataset, owner
 
     def gather(self, indices: Tensor) -> Batch:
         inputs, targets = default_collate([self.dataset[int(i)] for i in indices])
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
+        if not (isinstance(inputs, (tuple, list)) and all(isinstance(t, Tensor) for t in inputs)):
+            raise UserError(self._unsupported_inputs(inputs))
         return Batch(inputs=tuple(inputs), targets=targets)
+
+    def _unsupported_inputs(self, inputs: object) -> str:
+        """Why a collated input is refused: the model is called as ``model(*inputs)``."""
+        if isinstance(inputs, Mapping):
+            keys = ", ".join(map(str, inputs))
+            what, fix = f"a dict (keys {keys})", f"the tuple ({keys}) and forward({keys})"
+        else:
+            what, fix = type(inputs).__name__, "a tensor, or a tuple of tensors"
+        return (
+            f"{self.owner}'s dataset items have {what} as their input, but gradsync calls the "
+            f"model with the input tensors as positional arguments (model(*inputs)); "
+            f"return {fix} as the input of each (input, target) item"
+        )
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,13 @@ class Strategy(ABC):
         them: the forward must read them in no other way."""
         return set()
 
+    def overwritten_by_servers(self) -> set[str]:
+        """After :meth:`setup`: this worker's parameters that the servers' values overwrite
+        every step (:meth:`held_by_servers`, from the model set up rather than one built
+        anew). The strategy writes them through ``.data``, so their version counters move
+        only when the model itself changes them."""
+        return set()
+
     def checkpoint_state(self) -> tuple[nn.Module, torch.optim.Optimizer] | None:
         """The model and optimizer holding the authoritative state on this rank, or None.
 
@@ -223,6 +230,10 @@ class ServerStrategy(Strategy):
         """Every trainable parameter (``hybrid`` keeps only its sparse tables there)."""
         return set(trainable_parameters(config))
 
+    def overwritten_by_servers(self) -> set[str]:
+        assert self.model is not None
+        return {name for name, p in self.model.named_parameters() if p.requires_grad}
+
     def restore_state(self, tensors: dict[str, torch.Tensor], steps_done: int) -> None:
         """Every worker takes the checkpoint's values (its first forward reads them) and
         numbers its next push ``steps_done`` (servers apply the learning rate of the step
@@ -279,6 +290,21 @@ def trainable_parameters(config: TrainConfig) -> dict[str, nn.Parameter]:
 
     model = workload_of(config).model
     return {name: param for name, param in model.named_parameters() if param.requires_grad}
+
+
+def lost_edit(parameter: str, strategy: str, where: str = "") -> str:
+    """Why a change the model makes in place to a parameter the servers hold is refused.
+
+    Example:
+        >>> lost_edit("head.weight", "ps").startswith("the model changes parameter head.weight")
+        True
+    """
+    return (
+        f"the model changes parameter {parameter} in place during forward{where} (a clamp_ "
+        f"under no_grad, say), but under {strategy} its values live on the servers, which "
+        "overwrite each worker's copy every step, so the change would be lost; compute with a "
+        "changed copy instead (F.linear(x, w.clamp(-c, c))), or train with allreduce or ddp"
+    )
 
 
 def check_one_dtype(strategy: str, params: dict[str, torch.Tensor]) -> None:

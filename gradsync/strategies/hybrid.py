@@ -236,6 +236,9 @@ class Hybrid(ServerStrategy):
 
     read_by_lookup_only = held_by_servers  # a worker pulls only the rows its lookups read
 
+    def overwritten_by_servers(self) -> set[str]:
+        return set(self.sparse_names)
+
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         kinds = dict(_classify_config(config.to_json()))

@@ -223,3 +223,45 @@ def test_a_parameter_unfrozen_during_training_stops_the_run(workdir: Path) -> No
     assert result.returncode == 2, result.stderr
     assert "parameter 'head.weight' was frozen when training started" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+CLAMPS_LATER = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:  # a max-norm constraint that first binds after some steps
+            with torch.no_grad():
+                self.body.weight.mul_(0.5)
+        return self.head(torch.relu(self.body(x)))
+
+
+def build():
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return Model(), data, nn.functional.cross_entropy
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ps", "p3"])
+def test_a_later_edit_in_forward_to_server_values_stops_the_run(
+    workdir: Path, strategy: str
+) -> None:
+    """The launcher's trial forward does not change the weight; the third forward does.
+    Under ps and p3 the servers' values would overwrite the change at the next step: the
+    run was silently wrong (verify 4e-2 from single). It stops at that step, one line,
+    exit 2."""
+    (workdir / "clamps.py").write_text(CLAMPS_LATER)
+    result = gradsync("train", "--model", "clamps.py:build", "--strategy", strategy,
+                      "--workers", "2", "--steps", "5", "--out", "run", cwd=workdir)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "changes parameter body.weight in place during forward at step" in result.stderr
+    assert "Traceback" not in result.stderr

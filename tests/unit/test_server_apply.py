@@ -127,6 +127,31 @@ def test_a_checkpoint_round_trip_continues_bit_for_bit(name: str) -> None:
         assert torch.equal(dumped[key], reloaded[key]), key
 
 
+def test_an_empty_variable_with_adam_dumps_assembles_and_reloads() -> None:
+    """A parameter of no elements (``torch.empty(0)``) beside others: Adam's ``step`` is
+    repeated over each slot's elements, so the empty one keeps none. The checkpoint leaves
+    it out there, and a reload goes on with the same bits (before: an IndexError at the
+    end of training under ps and p3)."""
+    from gradsync.comm.server import assemble_variable, lay_out
+
+    config, sizes = CONFIGS["adam + weight decay"], [3, 0, 2]
+    make = lambda ps: Updater(ps, config, lr=config.base_lr())  # noqa: E731
+    original = ShardState(torch.linspace(-1, 1, 5, dtype=torch.float64), make, sizes=sizes)
+    grads = _grads(torch.float64)
+    for step in range(2):
+        original.apply(grads[step][:5], step)
+    dumped = original.state_tensors()
+    pieces = lay_out([("a", 0, 3), ("empty", 0, 0), ("b", 0, 2)])
+    empty = assemble_variable([(pieces[1], dumped)], torch.Size([0]), "empty")
+    assert empty["param/empty"].shape == (0,) and "optim/empty/step" not in empty
+    assert assemble_variable([(pieces[2], dumped)], torch.Size([2]), "b")["optim/b/step"] == 2
+    restored = ShardState(torch.zeros(5, dtype=torch.float64), make, sizes=sizes)
+    restored.load_state_tensors(dumped)
+    for state in (original, restored):
+        state.apply(grads[2][:5], 2)
+    assert torch.equal(original.values, restored.values)
+
+
 def test_a_gradient_of_the_wrong_dtype_or_size_is_refused() -> None:
     """``.grad`` refused these; the direct path must not quietly promote them."""
     state = _shard(CONFIGS["sgd momentum + weight decay"], torch.float64)

@@ -88,6 +88,25 @@ def test_multi_input_items_become_several_inputs():
     assert torch.equal(batch.inputs[1], batch.targets * 2)
 
 
+@pytest.mark.parametrize(
+    ("make_input", "words"),
+    [
+        (
+            lambda i: {"x": torch.full((3,), float(i)), "mask": torch.ones(3)},
+            r"a dict \(keys x, mask\)",
+        ),
+        (lambda i: [[torch.ones(2)], torch.ones(1)], "list"),
+    ],
+    ids=["dict", "nested"],
+)
+def test_inputs_the_model_cannot_take_positionally_are_one_line(make_input, words):
+    """A dict input was unpacked into its keys: the model was called as model('x', 'mask')
+    and failed with "takes 2 positional arguments but 3 were given"."""
+    items = [(make_input(i), torch.tensor(i)) for i in range(4)]
+    with pytest.raises(UserError, match=f"mine's dataset items have {words}.*model\\(\\*inputs\\)"):
+        MapStyleSamples(items, seed=0, owner="mine").batch(step=0, size=2, start=0, stop=2)
+
+
 def test_torch_tensor_dataset_works():
     dataset = torch.utils.data.TensorDataset(torch.arange(8.0).view(8, 1), torch.arange(8))
     batch = MapStyleSamples(dataset, seed=0).batch(step=0, size=8, start=0, stop=8)
@@ -597,6 +616,9 @@ EDITS_IN_FORWARD = """
         ("renormalized", "ddp", "lookup table table.weight has max_norm"),
         # Buffers are sized and initial values shared before the first forward.
         ("lazy", "allreduce", "parameter layer.weight is not made yet"),
+        # ps and p3 size the parameters in their own checks: those must not run first.
+        ("lazy", "ps", "parameter layer.weight is not made yet"),
+        ("lazy", "p3", "parameter layer.weight is not made yet"),
         # hybrid brings a worker only the rows its lookups read: other reads were stale.
         ("reads_whole", "hybrid", "reads lookup table table.weight other than by"),
         ("positioned", "hybrid", "reads lookup table positions.weight other than by"),
