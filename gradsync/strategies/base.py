@@ -136,8 +136,9 @@ class Strategy(ABC):
     def overwritten_by_servers(self) -> set[str]:
         """After :meth:`setup`: this worker's parameters that the servers' values overwrite
         every step (:meth:`held_by_servers`, from the model set up rather than one built
-        anew). The strategy writes them through ``.data``, so their version counters move
-        only when the model itself changes them."""
+        anew). The strategy writes them in :meth:`step`, or during forward through
+        ``.data``, so between the end of :meth:`step` and backward their version counters
+        move only when the model itself changes them."""
         return set()
 
     def checkpoint_state(self) -> tuple[nn.Module, torch.optim.Optimizer] | None:
