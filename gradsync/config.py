@@ -61,6 +61,11 @@ class OptimConfig:
             raise UserError(f"--lr-warmup-steps must be >= 0, got {self.lr_warmup_steps}")
         if self.lr_base_batch is not None and self.lr_base_batch < 1:
             raise UserError(f"--lr-base-batch must be a positive integer, got {self.lr_base_batch}")
+        if self.lr_base_batch is not None and self.lr_scaling == "none":
+            raise UserError(
+                "--lr-base-batch sets the batch --lr-scaling scales from, and --lr-scaling is "
+                "none; add --lr-scaling linear or sqrt, or drop --lr-base-batch"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

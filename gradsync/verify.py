@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.checkpoint import Checkpoint, load_checkpoint
+from gradsync.comm.batchnorm import has_batchnorm
 from gradsync.compare import TensorDiff, diff_checkpoints, worst
 from gradsync.config import TrainConfig
 from gradsync.devices import on_one_device
@@ -44,7 +45,7 @@ from gradsync.errors import JobFailed, UserError
 from gradsync.files import atomic_write_text
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
-from gradsync.models import shared_workloads
+from gradsync.models import shared_workloads, workload_of
 from gradsync.options import field_names, parse_texts
 from gradsync.rundir import record_failure
 from gradsync.runtime import CHECKPOINT_FILE
@@ -274,13 +275,32 @@ def cell_config(
     cls = options_class(name)
     values = {key: value for key, value in (given or {}).items() if key in field_names(cls)}
     try:
-        values.update(parse_texts(cls, dict(part.partition("=")[::2] for part in variant)))
+        values.update(parse_texts(cls, _spec_options(variant, field_names(cls))))
         options = cls(**values)
     except UserError as error:
         raise UserError(f"'{spec}': {error}") from None
     label = spec.replace(":", "-").replace("=", "")
     cell_out = str(out / f"{label}-w{workers}")
     return base.replace(strategy=name, strategy_options=options, workers=workers, out=cell_out)
+
+
+def _spec_options(parts: Sequence[str], names: Sequence[str]) -> dict[str, str]:
+    """``key=value`` texts of a spec's parts; a part that is neither ``key=value`` nor an
+    option's name continues the value before it, which held a colon (``re:emb``).
+
+    Example:
+        >>> _spec_options(["dense_pattern=re", "emb", "colocate"], ["dense_pattern", "colocate"])
+        {'dense_pattern': 're:emb', 'colocate': ''}
+    """
+    texts: dict[str, str] = {}
+    last = None
+    for part in parts:
+        key, equals, value = part.partition("=")
+        if not equals and key not in names and last is not None:
+            texts[last] += f":{part}"
+            continue
+        texts[key], last = value, key if equals else None
+    return texts
 
 
 def _cells(strategies: Sequence[str], workers: Sequence[int]) -> list[tuple[str, int]]:
@@ -363,15 +383,32 @@ def which_tensors_fail(diffs: list[TensorDiff], tolerance: float) -> str:
 
 
 def batchnorm_difference(config: TrainConfig) -> str | None:
-    """Why ``--batchnorm local`` differs from single (None when it cannot).
+    """Why ``--batchnorm local`` differs from single (None when it cannot: one worker, or
+    a model without BatchNorm, which must still match).
 
     Example:
-        >>> batchnorm_difference(TrainConfig(strategy="ddp", workers=2, batchnorm="local"))
+        >>> local = TrainConfig(strategy="ddp", workers=2, batchnorm="local", preset="tiny")
+        >>> batchnorm_difference(dataclasses.replace(local, model="resnet56"))
         'per-worker BatchNorm statistics (--batchnorm local)'
+        >>> batchnorm_difference(dataclasses.replace(local, model="transformer")) is None
+        True
     """
-    if config.batchnorm == "local" and config.workers > 1:
+    if config.batchnorm == "local" and config.workers > 1 and _has_batchnorm(config):
         return "per-worker BatchNorm statistics (--batchnorm local)"
     return None
+
+
+def _has_batchnorm(config: TrainConfig) -> bool:
+    """Whether ``config``'s model has a BatchNorm layer (the model is built once per
+    model, preset and options in a verify run)."""
+    options = sorted(config.model_options.items())
+    key = (config.model, config.preset, config.seed, config.data, *options)
+    if key not in _BATCHNORM:
+        _BATCHNORM[key] = has_batchnorm(workload_of(config).model)
+    return _BATCHNORM[key]
+
+
+_BATCHNORM: dict[tuple[object, ...], bool] = {}  # _has_batchnorm's answers
 
 
 def deterministic_notice(config: TrainConfig) -> str:

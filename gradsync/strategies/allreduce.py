@@ -18,7 +18,7 @@ from gradsync.comm.counters import CommStats
 from gradsync.comm.fusion import FusedAllreduce
 from gradsync.comm.row_allgather import RowAllgather
 from gradsync.config import TrainConfig
-from gradsync.options import StrategyOptions, option
+from gradsync.options import InvalidOption, StrategyOptions, option
 from gradsync.probe import sparse_lookup_weights
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 
@@ -46,6 +46,20 @@ class FusionOptions(StrategyOptions):
     fp16_compression: bool = option(
         False, help="allreduce gradients as float16", changes_results=True
     )
+
+    def check(self, workers: int) -> None:
+        if self.fusion_threshold_mb == 0 and "first_bucket_mb" in self.changed():
+            raise InvalidOption(
+                "{first_bucket_mb} with {fusion_threshold_mb} 0: without fusion each gradient "
+                "is its own allreduce, so there is no first bucket to cap; drop one of them",
+                type(self),
+            )
+
+    def rounding(self) -> str | None:
+        """Why the result may differ from ``single``'s beyond reduction order, or None."""
+        if self.fp16_compression:
+            return "fp16 compression rounds every gradient to half precision"
+        return None
 
     @property
     def first_bucket_bytes(self) -> int | None:
@@ -128,6 +142,4 @@ class HorovodAllreduce(Strategy):
         self.updater.update()
 
     def expected_difference(self, config: TrainConfig) -> str | None:
-        if config.strategy_options.fp16_compression:
-            return "fp16 compression rounds every gradient to half precision"
-        return None
+        return config.strategy_options.rounding()

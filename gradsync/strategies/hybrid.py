@@ -272,9 +272,10 @@ class Hybrid(ServerStrategy):
             )
 
     def expected_difference(self, config: TrainConfig) -> str | None:
-        if not config.strategy_options.average_sparse and config.workers > 1:
+        options = config.strategy_options
+        if not options.average_sparse and config.workers > 1:
             return "--no-average-sparse sums the workers' sparse gradients instead of averaging"
-        return None
+        return options.rounding()  # the dense path's fusion buffers
 
     # -- both roles ------------------------------------------------------------------------
 
@@ -438,7 +439,8 @@ class Hybrid(ServerStrategy):
             print(
                 f"[rank 0] hybrid: {len(variables)} sparse variable(s) in {count} row "
                 f"partition(s) each ({how}) on {self.num_servers} server(s), {where}; "
-                f"pushers (local aggregation) {self.pushers}",
+                f"pushers {self.pushers}"
+                + (" (local aggregation)" if self.options.local_aggregation else ""),
                 flush=True,
             )
         initial = self._receive_spec(spec)

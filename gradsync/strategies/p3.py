@@ -106,7 +106,7 @@ from gradsync.comm.wire import (
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import Updater
-from gradsync.options import option
+from gradsync.options import InvalidOption, option
 from gradsync.strategies.base import (
     Context,
     ServerOptions,
@@ -140,6 +140,15 @@ class P3Options(ServerOptions):
         metavar="N",
         at_least=1,
     )
+
+    def check(self, workers: int) -> None:
+        super().check(workers)
+        if not self.slicing and "slice_size" in self.changed():
+            raise InvalidOption(
+                "{slice_size} with {slicing} off: each variable is then sent whole, so no "
+                "slice size applies; drop one of them",
+                type(self),
+            )
 
 
 class PriorityPropagation(ServerStrategy):

@@ -20,14 +20,32 @@ def test_unknown_mode_is_one_line_naming_both_modes() -> None:
 
 
 def test_local_batchnorm_is_an_expected_difference_only_when_it_can_differ() -> None:
-    local = TrainConfig(strategy="ddp", workers=2, batchnorm="local")
+    local = TrainConfig(
+        model="resnet56", preset="tiny", strategy="ddp", workers=2, batchnorm="local"
+    )
     assert batchnorm_difference(local) is not None
-    assert batchnorm_difference(TrainConfig(strategy="ddp", workers=2)) is None
-    assert batchnorm_difference(TrainConfig(strategy="ddp", workers=1, batchnorm="local")) is None
-    # A model without BatchNorm matches; one with it differs, and says why.
+    assert batchnorm_difference(local.replace(batchnorm="global")) is None
+    assert batchnorm_difference(local.replace(workers=1)) is None
+    # A model with BatchNorm differs, and says why; within the tolerance it matches.
     assert verdict_for(local, 1e-12, 1e-9)[0] == "match"
     verdict, reason = verdict_for(local, 3e-3, 1e-9)
     assert verdict == "differs (expected)" and "--batchnorm local" in reason
+    # A model without BatchNorm must still match: the flag excuses nothing there (it
+    # excused an fp16-compressed hybrid's 1e-3 on transformer).
+    plain = local.replace(model="transformer")
+    assert batchnorm_difference(plain) is None
+    assert verdict_for(plain, 3e-3, 1e-9)[0] == "FAIL"
+
+
+def test_fp16_compression_is_an_expected_difference_of_hybrid_too() -> None:
+    """hybrid's dense path takes allreduce's fusion options; fp16 was reported as FAIL."""
+    from gradsync.strategies.hybrid import HybridOptions
+
+    config = TrainConfig(
+        strategy="hybrid", workers=2, strategy_options=HybridOptions(fp16_compression=True)
+    )
+    verdict, reason = verdict_for(config, 2e-5, 1e-9)
+    assert verdict == "differs (expected)" and "fp16 compression" in reason
 
 
 def test_has_batchnorm_finds_nested_layers() -> None:
@@ -104,3 +122,15 @@ def test_a_batchnorm_subclass_with_its_own_forward_is_refused_before_launch(tmp_
     with pytest.raises(UserError, match="layer 1 is a ScaledBN, a BatchNorm subclass"):
         validate(config)
     validate(config.replace(batchnorm="local"))  # each shard its own statistics: fine
+
+
+def test_a_verify_spec_takes_option_values_with_colons() -> None:
+    """'hybrid:dense_patterns=re:emb' was refused as an unknown option 'emb'."""
+    from pathlib import Path
+
+    from gradsync.verify import cell_config
+
+    spec = "hybrid:dense_patterns=re:emb.*:colocate"
+    config = cell_config(TrainConfig(model="lstm-lm"), spec, 2, Path("v"))
+    assert config.strategy_options.dense_patterns == ("re:emb.*",)
+    assert config.strategy_options.colocate
