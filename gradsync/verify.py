@@ -46,7 +46,7 @@ from gradsync.files import atomic_write_text
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import load_summary
 from gradsync.models import shared_workloads, workload_of
-from gradsync.options import field_names, parse_texts
+from gradsync.options import InvalidOption, field_names, parse_texts
 from gradsync.rundir import record_failure
 from gradsync.runtime import CHECKPOINT_FILE
 from gradsync.stats import Throughput
@@ -264,21 +264,36 @@ def cell_config(
 ) -> TrainConfig:
     """The config of one verify cell. ``spec`` is a strategy name, optionally with options
     after colons (``ps:servers=2``, ``ps:colocate``, ``ps:async:staleness=2``); ``given``
-    holds options from the command line, applied to the strategies that take them.
+    holds options from the command line, applied to the strategies that take them, except
+    where the spec's own options make one meaningless (``--slice-size`` beside
+    ``p3:slicing=false``): the spec's win.
 
     Example:
         >>> config = cell_config(TrainConfig(), "ps:servers=2:colocate=false", 4, Path("v"))
         >>> config.strategy_options.servers
         2
+        >>> whole = cell_config(TrainConfig(), "p3:slicing=false", 2, Path("v"), {"slice_size": 9})
+        >>> whole.strategy_options.slice_size == options_class("p3")().slice_size
+        True
     """
     name, *variant = spec.split(":")
     cls = options_class(name)
-    values = {key: value for key, value in (given or {}).items() if key in field_names(cls)}
+    given_here = {key: value for key, value in (given or {}).items() if key in field_names(cls)}
     try:
-        values.update(parse_texts(cls, _spec_options(variant, field_names(cls))))
-        options = cls(**values)
+        cls(**given_here).check(workers)  # the command line's options must agree by themselves
+        own = parse_texts(cls, _spec_options(variant, field_names(cls)))
+        options = cls(**own)
     except UserError as error:
         raise UserError(f"'{spec}': {error}") from None
+    for key, value in given_here.items():
+        if key in own:
+            continue
+        with_given = dataclasses.replace(options, **{key: value})
+        try:
+            with_given.check(workers)
+        except InvalidOption:
+            continue  # meaningless beside the spec's own options, which win
+        options = with_given
     label = spec.replace(":", "-").replace("=", "")
     cell_out = str(out / f"{label}-w{workers}")
     return base.replace(strategy=name, strategy_options=options, workers=workers, out=cell_out)

@@ -424,6 +424,11 @@ class P3Server(ServerPolicy):
         self.track = track
         self.rounds = Gather(range(num_workers))
         self.applied: dict[int, int] = {}  # step → slices applied
+        # A step's record is written once every slice is applied and every answer sent (the
+        # sender thread sends them later): the step's bytes, and no tally made anew after.
+        self._unsent: dict[int, int] = {}  # step → answers queued, not yet sent
+        self._all_applied: set[int] = set()
+        self._records = threading.Lock()
         self.replies = PrioritySender(
             self._send_reply,
             name="p3-reply",
@@ -475,11 +480,29 @@ class P3Server(ServerPolicy):
                 length=values.numel(),
                 lr=state.lr,
             )
+            with self._records:  # before they are queued: the sender may send at once
+                self._unsent[step] = self._unsent.get(step, 0) + self.num_workers
             for worker in range(self.num_workers):
                 self._reply(worker, reply, values, priority)
         self.applied[step] = self.applied.get(step, 0) + 1
-        if self.applied[step] == len(self.states):  # this server has finished the step
+        if self.applied[step] == len(self.states):  # this server has applied the step
             del self.applied[step]
+            with self._records:
+                self._all_applied.add(step)
+                self._record_if_done(step)
+
+    def _replied(self, step: int, answers: int, sent: int) -> None:
+        """``answers`` of ``step`` have left, ``sent`` bytes on the wire (sender thread)."""
+        with self._records:
+            self.metrics.tally(step).bytes_sent += sent
+            self._unsent[step] -= answers
+            self._record_if_done(step)
+
+    def _record_if_done(self, step: int) -> None:
+        """Write ``step``'s record once it is applied and answered (the lock held)."""
+        if step in self._all_applied and not self._unsent.get(step):
+            self._all_applied.discard(step)
+            self._unsent.pop(step, None)
             self.metrics.finish(step)
 
     def _reply(self, worker: int, header: Header, values: Tensor, priority: int) -> None:
@@ -498,6 +521,8 @@ class P3Server(ServerPolicy):
         if worker == self.outbox.local_peer:
             for _, header, values in items:
                 self.outbox.post(worker, header, [] if values is None else [values])
+            if first.kind == Kind.REPLY:
+                self._replied(first.step, len(items), 0)
             return None
         if len(items) == 1:
             header, tensors = first, [] if payload is None else [payload]
@@ -505,8 +530,8 @@ class P3Server(ServerPolicy):
             headers = [h for _, h, _ in items]
             header, tensors = bundle_message(Kind.REPLY, headers, [v for _, _, v in items])
         sent, wait = self.outbox.post(worker, header, tensors)
-        if header.kind == Kind.REPLY:
-            self.metrics.tally(header.step).bytes_sent += sent
+        if first.kind == Kind.REPLY:  # a bundle's answers share one step (_bundle_peer)
+            self._replied(first.step, len(items), sent)
         return wait
 
     def on_state(self, message: Message) -> None:

@@ -406,12 +406,14 @@ class PriorityPropagation(ServerStrategy):
         pieces = [encoded, *tensors]
         group = self.lanes.to(dst)
         works = [dist.isend(t, dst=dst, group=group, tag=TAG_PUSH) for t in pieces]
+        # Counted as posted, not as completed: a completion the step's record has already
+        # read would count in the next step's (none in the first, two in the last).
+        self._bytes_sent += sum(nbytes(t) for t in pieces)
 
         def finish() -> None:  # the tensors live in this closure until they have left
             for work in works:
                 work.wait()
             self.timeline.end(track, Phase.PUSH, step=step)
-            self._bytes_sent += sum(nbytes(t) for t in pieces)
 
         return finish
 

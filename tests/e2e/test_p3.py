@@ -67,3 +67,23 @@ def test_bad_p3_options_are_one_line_and_exit_2(case: str, workdir: Path) -> Non
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gradsync: error: ") and message in lines[0]
+
+
+def test_a_servers_step_record_counts_every_answer(workdir: Path) -> None:
+    """A p3 server writes a step's record when its last slice is applied and every answer
+    has left (the sender thread sends them after). It wrote it at the last apply: the
+    answers still queued then were lost from the record (61504 of 99200 bytes), and their
+    tally was made anew for a step already written, one a step."""
+    result = gradsync("train", "--model", "mnist-cnn", "--preset", "tiny", "--strategy", "p3",
+                      "--slices-per-message", "1", "--workers", "2", "--steps", "6",
+                      "--out", "run", cwd=workdir)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    import json
+
+    records = [
+        json.loads(line)
+        for line in (workdir / "run" / "metrics" / "server2.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == list(range(6))
+    # One answer of each slice to each worker, as large as that worker's push of it.
+    assert all(r["bytes_sent"] == r["bytes_recv"] > 0 for r in records), records
