@@ -388,15 +388,11 @@ def main(argv: list[str]) -> int:
         return stop.exit_code  # the launcher (or the batch system) stopped this rank
     except KeyboardInterrupt:
         return 130
-    except TransportError as error:
-        if not is_lost_connection(str(error)):
-            traceback.print_exc()
-            sys.stderr.flush()
+    except Exception as error:
+        if isinstance(error, TransportError) and is_lost_connection(str(error)):
+            # A peer stopped first and says why itself: this rank's part is one line.
+            print(f"gradsync: stopped after a peer: {error}", file=sys.stderr, flush=True)
             return 1
-        # A peer stopped first and says why itself: this rank's part is one line.
-        print(f"gradsync: stopped after a peer: {error}", file=sys.stderr, flush=True)
-        return 1
-    except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         return 1

@@ -408,22 +408,11 @@ def batchnorm_difference(config: TrainConfig) -> str | None:
         >>> batchnorm_difference(dataclasses.replace(local, model="transformer")) is None
         True
     """
-    if config.batchnorm == "local" and config.workers > 1 and _has_batchnorm(config):
-        return "per-worker BatchNorm statistics (--batchnorm local)"
-    return None
-
-
-def _has_batchnorm(config: TrainConfig) -> bool:
-    """Whether ``config``'s model has a BatchNorm layer (the model is built once per
-    model, preset and options in a verify run)."""
-    options = sorted(config.model_options.items())
-    key = (config.model, config.preset, config.seed, config.data, *options)
-    if key not in _BATCHNORM:
-        _BATCHNORM[key] = has_batchnorm(workload_of(config).model)
-    return _BATCHNORM[key]
-
-
-_BATCHNORM: dict[tuple[object, ...], bool] = {}  # _has_batchnorm's answers
+    if config.batchnorm != "local" or config.workers < 2:
+        return None
+    if not has_batchnorm(workload_of(config).model):  # one build a cell, under local only
+        return None
+    return "per-worker BatchNorm statistics (--batchnorm local)"
 
 
 def deterministic_notice(config: TrainConfig) -> str:

@@ -427,8 +427,7 @@ class P3Server(ServerPolicy):
         # A step's record is written once every slice is applied and every answer sent (the
         # sender thread sends them later): the step's bytes, and no tally made anew after.
         self._unsent: dict[int, int] = {}  # step → answers queued, not yet sent
-        self._all_applied: set[int] = set()
-        self._records = threading.Lock()
+        self._records = threading.Lock()  # guards applied and _unsent
         self.replies = PrioritySender(
             self._send_reply,
             name="p3-reply",
@@ -484,12 +483,9 @@ class P3Server(ServerPolicy):
                 self._unsent[step] = self._unsent.get(step, 0) + self.num_workers
             for worker in range(self.num_workers):
                 self._reply(worker, reply, values, priority)
-        self.applied[step] = self.applied.get(step, 0) + 1
-        if self.applied[step] == len(self.states):  # this server has applied the step
-            del self.applied[step]
-            with self._records:
-                self._all_applied.add(step)
-                self._record_if_done(step)
+        with self._records:
+            self.applied[step] = self.applied.get(step, 0) + 1
+            self._record_if_done(step)
 
     def _replied(self, step: int, answers: int, sent: int) -> None:
         """``answers`` of ``step`` have left, ``sent`` bytes on the wire (sender thread)."""
@@ -499,9 +495,10 @@ class P3Server(ServerPolicy):
             self._record_if_done(step)
 
     def _record_if_done(self, step: int) -> None:
-        """Write ``step``'s record once it is applied and answered (the lock held)."""
-        if step in self._all_applied and not self._unsent.get(step):
-            self._all_applied.discard(step)
+        """Write ``step``'s record once every slice is applied and answered (the lock
+        held)."""
+        if self.applied.get(step) == len(self.states) and not self._unsent.get(step):
+            del self.applied[step]
             self._unsent.pop(step, None)
             self.metrics.finish(step)
 
