@@ -60,7 +60,7 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
     # Built here (milliseconds for the zoo) so that bad data and a batch the workers cannot
     # share are refused before the run folder is claimed, not by the ranks after launch.
     workload = workload_of(config)
-    _check_parameters_and_layers(config, workload.model)  # before a forward materializes any
+    _check_parameters_and_layers(config, workload.model)  # before the trial forward below
     if is_user_model(config.model):
         step = check_user_step(config.model, workload)
         _check_edits_last(config, step.edited)
@@ -86,11 +86,10 @@ def _check_made(config: TrainConfig, model: torch.nn.Module) -> None:
 
 
 def _check_parameters_and_layers(config: TrainConfig, model: torch.nn.Module) -> None:
-    """What no strategy can train right: complex parameters, parameters a lazy module has
-    not made yet (:func:`_check_made`), lookup tables that renormalize the rows a batch
-    reads (``max_norm``), and BatchNorm layers with a forward of their own under global
-    BatchNorm."""
-    _check_made(config, model)
+    """What no strategy can train right: complex parameters, lookup tables that
+    renormalize the rows a batch reads (``max_norm``), and BatchNorm layers with a forward
+    of their own under global BatchNorm (a lazy module's parameters: :func:`_check_made`,
+    before the strategies' checks)."""
     if config.workers > 1:
         renormalized = [n for n, t in lookup_tables(model).items() if t.max_norm is not None]
         if renormalized:
