@@ -131,6 +131,28 @@ SPARSE_TIMES = (
 )  # fmt: skip
 
 
+def _quantile(ordered: Sequence[float], share: float) -> float:
+    """The ``share`` quantile of the sorted ``ordered``, linear between neighbours
+    (``share`` 0.5: the median)."""
+    position = share * (len(ordered) - 1)
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+
+
+def _pooled_samples(profiles: Sequence[Profile], compute_s: float) -> tuple[float, ...]:
+    """Every profile's compute samples, each profile's scaled to median ``compute_s``: the
+    step-to-step spread of all of them, without the drift between the moments they were
+    taken (which :meth:`Profile.mean` averages away)."""
+    pooled: list[float] = []
+    for profile in profiles:
+        samples = sorted(profile.compute_samples_s)
+        if samples and samples[0] > 0:
+            middle = _quantile(samples, 0.5)
+            pooled += [s * compute_s / middle for s in profile.compute_samples_s]
+    return tuple(pooled)
+
+
 def _mean_bins(bins: list[tuple[float, ...]]) -> tuple[float, ...]:
     """Element-wise mean of row histograms (those measured; () if none was)."""
     measured = [b for b in bins if b]
@@ -188,6 +210,10 @@ class Profile:
     # Whether the model's dropout ran, as `gradsync train` runs it (not with --deterministic);
     # every profile taken before it was recorded ran without.
     dropout: bool = False
+    # Forward plus backward of each step after warm-up, in step order: how one worker's
+    # compute varies from step to step, which a synchronous step pays as its slowest
+    # worker's (:meth:`straggler_stretch`); () in profiles taken before session 29.
+    compute_samples_s: tuple[float, ...] = ()
     host: str = ""
     torch_version: str = ""
 
@@ -195,10 +221,33 @@ class Profile:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "variables", tuple(self.variables))
         object.__setattr__(self, "batchnorm_channels", tuple(self.batchnorm_channels))
+        object.__setattr__(self, "compute_samples_s", tuple(self.compute_samples_s))
 
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    def straggler_stretch(self, workers: int) -> float:
+        """How many times longer the slowest of ``workers`` workers computes than one
+        worker does, in a synchronous job's median step.
+
+        Every worker's compute is a draw from the measured :attr:`compute_samples_s`; the
+        slowest of n draws is below x with probability F(x)^n, so the median step's
+        slowest is the ``0.5 ** (1 / n)`` quantile (the median for one worker; nearer the
+        slowest measured step as n grows, never beyond it). 1.0 without samples.
+
+        Example:
+            >>> p = Profile(model="m", preset="p", batch=1, threads=1, device="cpu", steps=5,
+            ...             warmup=1, forward_s=1.0, backward_s=1.0, optimizer_s_per_byte=0,
+            ...             copy_s_per_byte=0, aggregate_s_per_byte=0, apply_s_per_byte=0,
+            ...             layers=(), variables=(), compute_samples_s=(1.0, 2.0, 3.0))
+            >>> [round(p.straggler_stretch(n), 3) for n in (1, 2, 10**6)]
+            [1.0, 1.207, 1.5]
+        """
+        samples = sorted(self.compute_samples_s)
+        if workers <= 1 or not samples or samples[0] <= 0:
+            return 1.0
+        return _quantile(samples, 0.5 ** (1 / workers)) / _quantile(samples, 0.5)
 
     @property
     def dense_variables(self) -> tuple[VariableProfile, ...]:
@@ -234,6 +283,7 @@ class Profile:
             variables=tuple(
                 dataclasses.replace(v, grad_ready_s=v.grad_ready_s / factor) for v in self.variables
             ),
+            compute_samples_s=tuple(s / factor for s in self.compute_samples_s),
         )
 
     def averaged_with(self, other: Profile) -> Profile:
@@ -297,7 +347,10 @@ class Profile:
             )
             for i, variable in enumerate(first.variables)
         )
-        return dataclasses.replace(first, layers=layers, variables=variables, **times)
+        samples = _pooled_samples(profiles, times["forward_s"] + times["backward_s"])
+        return dataclasses.replace(
+            first, layers=layers, variables=variables, compute_samples_s=samples, **times
+        )
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=1)
@@ -966,9 +1019,17 @@ def _assemble(
             for i, name in enumerate(layers.names)
         ),
         variables=tuple(variables),
+        compute_samples_s=_compute_samples(clock, warmup),
         host=platform.node(),
         torch_version=torch.__version__,
     )
+
+
+def _compute_samples(clock: _StepClock, warmup: int) -> tuple[float, ...]:
+    """Forward plus backward of each step after ``warmup``, in step order."""
+    forward, backward = clock.samples["forward"], clock.samples["backward"]
+    kept = range(warmup, len(forward)) if len(forward) > warmup else range(len(forward))
+    return tuple(forward[i] + backward[i] for i in kept)
 
 
 def _row_bins(clock: _StepClock, name: str, warmup: int) -> tuple[float, ...]:

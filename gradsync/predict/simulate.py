@@ -125,6 +125,8 @@ def predict_step(
         raise UserError(
             f"predict cannot model strategy '{choice.name}'; choose from: {', '.join(SIMULATORS)}"
         ) from None
+    if _waits_for_slowest(choice):
+        profile = with_stragglers(profile, cluster.workers)
     if batchnorm == "global":
         profile = with_batchnorm_sync(profile, cluster)
     else:  # each worker normalizes its own shard: no layer synchronizes
@@ -142,6 +144,28 @@ def predict_step(
         bytes_per_worker=moved,
         spans=tuple(spans),
     )
+
+
+def _waits_for_slowest(choice: StrategyChoice) -> bool:
+    """Whether every step of ``choice`` waits for its slowest worker (all but
+    asynchronous ``ps``, whose workers run apart)."""
+    return not getattr(choice.options, "asynchronous", False)
+
+
+def with_stragglers(profile: Profile, workers: int) -> Profile:
+    """``profile`` with the compute of the slowest of ``workers`` workers in the median
+    step (:meth:`Profile.straggler_stretch`): a synchronous step waits for it, every
+    worker's gradients and forward waits included, so forward and backward lengthen and
+    layer starts and gradient-ready times stretch in proportion.
+
+    Example:
+        >>> # with_stragglers(p, 8).compute_s == p.compute_s * p.straggler_stretch(8)
+    """
+    stretch = profile.straggler_stretch(workers)
+    if stretch == 1.0:
+        return profile
+    longer = _lengthen_forward(profile, profile.forward_s * (stretch - 1))
+    return _lengthen_backward(longer, profile.backward_s * (stretch - 1))
 
 
 SHARED_CORE_ROUNDS = 20  # fixed-point rounds of the shared-core stretch (it converges fast)

@@ -435,3 +435,53 @@ def test_p3_never_runs_a_step_faster_than_its_compute() -> None:
         step = predict_step(profile, cluster, StrategyChoice("p3", P3Options(servers=4)))
         assert step.step_s >= 2.0 - 1e-9
         assert all(s.duration >= 0 for s in step.spans)
+
+
+def test_a_synchronous_step_computes_as_long_as_its_slowest_worker() -> None:
+    # One worker's forward + backward took 2, 3 or 4 s (median 3); the median step's
+    # slowest of 2 is the 0.5 ** (1/2) quantile: 2 + 2 * 0.7071 = 3.414 s. The bucket
+    # leaves when the slowest worker's backward ends, so the ring follows it.
+    spread = dataclasses.replace(
+        profile_of([variable("a", 250_000, 2.0)]), compute_samples_s=(2.0, 4.0, 3.0)
+    )
+    network = Network(bandwidth=1e6, latency=1e-3)
+    slowest = 2.0 + 2.0 * 0.5**0.5
+    assert spread.straggler_stretch(2) == pytest.approx(slowest / 3.0)
+    step = predict_step(spread, Cluster(workers=2, network=network), ALLREDUCE)
+    ring_s = ring(2, (250_000 + 1) * 4, 1e6, 1e-3)
+    assert step.step_s == pytest.approx(slowest + ring_s)
+    # One worker waits for nobody; without samples nothing is stretched.
+    alone = predict_step(spread, Cluster(workers=1, network=network), ALLREDUCE)
+    assert alone.step_s == pytest.approx(3.0)
+    plain = dataclasses.replace(spread, compute_samples_s=())
+    assert predict_step(plain, Cluster(workers=2, network=network), ALLREDUCE).step_s == (
+        pytest.approx(3.0 + ring_s)
+    )
+
+
+def test_asynchronous_ps_does_not_wait_for_the_slowest_worker() -> None:
+    profile = profile_of([variable("a", 1000, 2.0)])
+    spread = dataclasses.replace(profile, compute_samples_s=(1.0, 3.0, 9.0))
+    cluster = Cluster(workers=4, network=Network(bandwidth=1e6), servers=1)
+    for options, stretched in ((PSOptions(async_updates=True), False), (PSOptions(), True)):
+        choice = StrategyChoice("ps", options)
+        before = predict_step(profile, cluster, choice).step_s
+        after = predict_step(spread, cluster, choice).step_s
+        assert (after > before) is stretched
+
+
+def test_averaged_profiles_pool_their_spread_without_the_drift_between_them() -> None:
+    # Taken at two moments, one twice as fast: each one's samples are scaled to the
+    # averaged median before pooling, so the drift does not count as spread.
+    slow = dataclasses.replace(
+        profile_of([variable("a", 10, 1.0)], forward=2.0, backward=4.0),
+        compute_samples_s=(5.0, 6.0, 7.0),
+    )
+    fast = dataclasses.replace(
+        profile_of([variable("a", 10, 1.0)], forward=1.0, backward=2.0),
+        compute_samples_s=(2.5, 3.0, 3.5),
+    )
+    mean = Profile.mean([slow, fast])
+    assert mean.compute_s == pytest.approx(4.5)
+    assert sorted(mean.compute_samples_s) == pytest.approx([3.75, 3.75, 4.5, 4.5, 5.25, 5.25])
+    assert Profile.from_json(mean.to_json()) == mean
