@@ -457,10 +457,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from gradsync.jobs import inputs_of
     from gradsync.options import given_options
     from gradsync.rundir import claim_run_dir
-    from gradsync.strategies import STRATEGIES
+    from gradsync.strategies import STRATEGIES, split_specs
     from gradsync.verify import check_cells, deterministic_notice, report_verify, run_matrix
 
-    strategies = list(STRATEGIES) if args.strategies is None else args.strategies.split(",")
+    strategies = list(STRATEGIES) if args.strategies is None else split_specs(args.strategies)
     given = given_options(args)
     config = _config(args, deterministic=True, workers=1, strategy="single")
     out = Path(args.out or _timestamped("verify"))

@@ -70,6 +70,35 @@ def strategy_class(name: str) -> type[Strategy]:
         ) from None
 
 
+def split_specs(text: str) -> list[str]:
+    """The comma-separated strategy specs in ``text`` (verify's and predict's
+    ``--strategies``). After a spec that gives an option a value, a part that does not
+    start with a strategy's name continues the spec: a tuple option's further values, or
+    a regular expression's ``{1,2}``.
+
+    Example:
+        >>> split_specs("ddp,hybrid:dense_patterns=emb*,fc*,p3:slice_size=100")
+        ['ddp', 'hybrid:dense_patterns=emb*,fc*', 'p3:slice_size=100']
+        >>> split_specs("hybrid:dense_patterns=re:a{1,2},ps,nosuch")  # nosuch: refused by name
+        ['hybrid:dense_patterns=re:a{1,2}', 'ps', 'nosuch']
+    """
+    specs: list[str] = []
+    for part in (piece.strip() for piece in text.split(",")):
+        if not part:
+            continue
+        if specs and "=" in specs[-1] and not _is_strategy(part.split(":")[0]):
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
+
+
+def _is_strategy(name: str) -> bool:
+    if name not in STRATEGIES:
+        load_plugins()
+    return name in STRATEGIES
+
+
 def options_class(name: str) -> type[StrategyOptions]:
     """The options dataclass of strategy ``name``."""
     return strategy_class(name).Options

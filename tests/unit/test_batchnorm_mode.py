@@ -134,3 +134,16 @@ def test_a_verify_spec_takes_option_values_with_colons() -> None:
     config = cell_config(TrainConfig(model="lstm-lm"), spec, 2, Path("v"))
     assert config.strategy_options.dense_patterns == ("re:emb.*",)
     assert config.strategy_options.colocate
+
+
+def test_a_strategies_list_keeps_a_tuple_options_values_together() -> None:
+    """`--strategies ddp,hybrid:dense_patterns=emb*,fc*` made 'fc*' a strategy of its own."""
+    from pathlib import Path
+
+    from gradsync.strategies import split_specs
+    from gradsync.verify import cell_config
+
+    specs = split_specs("ddp,hybrid:dense_patterns=emb*,fc*,p3")
+    assert specs == ["ddp", "hybrid:dense_patterns=emb*,fc*", "p3"]
+    config = cell_config(TrainConfig(model="lstm-lm"), specs[1], 2, Path("v"))
+    assert config.strategy_options.dense_patterns == ("emb*", "fc*")
