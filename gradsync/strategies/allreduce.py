@@ -113,7 +113,14 @@ class HorovodAllreduce(Strategy):
         broadcast_parameters(model, context.worker_group)
         options = context.config.strategy_options
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        sparse = set() if options.sparse_as_dense else sparse_lookup_weights(model)
+        lookups = sparse_lookup_weights(model)
+        if options.sparse_as_dense and not lookups and context.rank == 0:
+            print(
+                "[rank 0] allreduce: --sparse-as-dense has nothing to densify (no "
+                "nn.Embedding(sparse=True) in the model); every gradient is dense already",
+                flush=True,
+            )
+        sparse = set() if options.sparse_as_dense else lookups
         self.rows = RowAllgather(
             [(name, p) for name, p in named if name in sparse],
             group=context.worker_group,

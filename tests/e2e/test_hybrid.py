@@ -43,7 +43,7 @@ def test_hybrid_matches_single_on_sparse_lstm(workdir: Path) -> None:
     assert "row partition(s) each (cost model: P=" in log
 
 
-def test_hybrid_without_sparse_variables_is_allreduce(workdir: Path) -> None:
+def test_without_sparse_variables_hybrid_is_allreduce_and_densifying_says_so(workdir: Path) -> None:
     out = workdir / "verify"
     result = gradsync(
         "verify",
@@ -52,7 +52,7 @@ def test_hybrid_without_sparse_variables_is_allreduce(workdir: Path) -> None:
         "--preset",
         "tiny",
         "--strategies",
-        "hybrid",
+        "hybrid,allreduce:sparse_as_dense=true",
         "--workers",
         "2",
         "--steps",
@@ -62,9 +62,11 @@ def test_hybrid_without_sparse_variables_is_allreduce(workdir: Path) -> None:
         cwd=workdir,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert verify_outcomes(out)[1]["verdict"] == "match"
+    assert all(o["verdict"] == "match" for o in verify_outcomes(out)[1:])
     log = (out / "hybrid-w2" / "stdout.log").read_text()
     assert "no sparse variables, so it degenerates to allreduce" in log
+    logs = [p.read_text() for p in out.glob("allreduce*/stdout.log")]
+    assert logs and "--sparse-as-dense has nothing to densify" in logs[0]
 
 
 def test_hybrid_flags_are_checked_up_front(workdir: Path) -> None:
