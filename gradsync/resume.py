@@ -147,6 +147,7 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
         ['--async False, not True']
     """
     from gradsync.models import workload_of
+    from gradsync.models.user import same_model
 
     preset_batch = workload_of(config).global_batch
     global_batch = config.global_batch or preset_batch
@@ -155,8 +156,10 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
     differences = [
         f"{key} {meta[key]}, not {value}"
         for key, value in mine.items()
-        if key != "strategy_options" and key in meta and meta[key] != value
+        if key not in ("strategy_options", "model") and key in meta and meta[key] != value
     ]
+    if "model" in meta and not same_model(meta["model"], config.model):
+        differences.insert(0, f"model {meta['model']}, not {config.model}")
     flags = {item.name: flag_of(item) for item in dataclasses.fields(config.strategy_options)}
     theirs = meta.get("strategy_options", {})
     for name, value in mine["strategy_options"].items():

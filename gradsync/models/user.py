@@ -38,6 +38,26 @@ def is_user_model(name: str) -> bool:
     return ":" in name
 
 
+def same_model(recorded: str, given: str) -> bool:
+    """Whether two ``--model`` values name one model: a model file by another path to it
+    (relative here, absolute there) is the same file.
+
+    Example:
+        >>> import os
+        >>> same_model(os.path.abspath("m.py") + ":build", "m.py:build"), same_model("a", "b")
+        (True, False)
+    """
+    return recorded == given or _located(recorded) == _located(given)
+
+
+def _located(name: str) -> str:
+    """A model file's ``--model`` value with the file's absolute path; others as given."""
+    location, _, function_name = name.rpartition(":")
+    if not location.endswith(".py"):
+        return name
+    return f"{Path(location).resolve()}:{function_name}"
+
+
 def _describe(error: BaseException) -> str:
     """An import error as a reader wants it: the kind, where (file:line), the message.
 

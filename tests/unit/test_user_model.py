@@ -669,3 +669,17 @@ def test_a_table_read_other_than_by_lookups_trains_when_hybrid_allreduces_it(tmp
             strategy_options=dense,
         )
     )  # fmt: skip
+
+
+def test_a_resume_names_the_model_file_by_any_path_to_it(tmp_path: Path, monkeypatch) -> None:
+    """`--resume` refused `--model m.py:build` for a run started with `/abs/m.py:build`."""
+    from gradsync.resume import meta_differences
+
+    path = _write(tmp_path, "counted.py", COUNTED_MODEL)
+    monkeypatch.chdir(tmp_path)
+    config = TrainConfig(model="counted.py:build", global_batch=8)
+    assert meta_differences({"model": f"{path.resolve()}:build"}, config) == []
+    other = _write(tmp_path, "other.py", COUNTED_MODEL)
+    assert meta_differences({"model": f"{other}:build"}, config) == [
+        f"model {other}:build, not counted.py:build"
+    ]
