@@ -26,6 +26,7 @@ from gradsync.resume import check_resume, checkpoint_step, resumable
 from gradsync.rundir import check_writable, claim_output_file, claim_run_dir
 from gradsync.strategies import check_strategy, strategy_class, world_size_of
 from gradsync.strategies.base import lost_edit
+from gradsync.trace import TRACE_BEGINS
 
 LOG_FILE = "stdout.log"
 
@@ -237,14 +238,14 @@ def inputs_of(config: TrainConfig) -> list[str]:
 def claim_timeline(config: TrainConfig, *, overwrite: bool) -> None:
     """Check ``--timeline``'s file before launch (rank 0 writes it at the end): never a
     folder, nor a file already there unless ``overwrite`` (a resumed run writes its own
-    again).
+    again), and then only a trace.
 
     Example:
         >>> claim_timeline(TrainConfig(timeline=None), overwrite=False)  # nothing to check
     """
     if config.timeline is not None:
         path, again = Path(config.timeline), overwrite or config.resume
-        claim_output_file(path, overwrite=again, flag="--timeline")
+        claim_output_file(path, overwrite=again, flag="--timeline", begins=TRACE_BEGINS)
 
 
 def run_job(

@@ -37,6 +37,19 @@ RUN_MARKERS = (
 )
 
 
+# Everything else a gradsync job may write at the top of its folder: with the markers,
+# what ``--overwrite`` may clear (a run's subfolders of their own are recognized as runs).
+RUN_ENTRIES = frozenset(RUN_MARKERS) | {
+    "checkpoint.safetensors.json", "stderr.log", "srun-config.json", "hosts",  # train
+    "timeline",  # train --timeline's folder, the timeline command's summaries
+    "verify.md", "single-rerun", "results.json", "results.md",  # verify, demo
+    "experiment.toml", "report.md", "cells", "plots", "job.sbatch",  # bench, sbatch
+    "commbench.md", "commbench.png",  # commbench
+    "predictions.md", "scaling.png", "bandwidth.png", "trace.json", "gain-vs-published.png",
+    "plan.toml", "profiles", "calibration", "runs", "validation.md", "validation.json",
+}  # fmt: skip
+
+
 def claim_run_dir(
     path: Path, *, overwrite: bool, flag: str = "--out", inputs: Iterable[str | Path] = ()
 ) -> None:
@@ -80,11 +93,17 @@ def claim_run_dir(
                 f"--overwrite refuses to clear {path}: this run reads {inside[0]}, which lies "
                 f"inside it; move that file out first, or pick another {flag}"
             )
+        if foreign := [name for name in found if not _written_by_gradsync(path / name)]:
+            raise UserError(
+                f"--overwrite refuses to clear {path}: it also holds {', '.join(foreign[:3])}"
+                f"{', …' if len(foreign) > 3 else ''}, which gradsync did not write; move "
+                f"{'it' if len(foreign) == 1 else 'them'} out first, or pick another {flag}"
+            )
         for item in path.iterdir():
-            if item.is_dir():
+            if item.is_dir() and not item.is_symlink():
                 shutil.rmtree(item)
             elif not _other_node(item.name):
-                item.unlink()
+                item.unlink()  # a link itself, never what it points to
     check_writable(path, flag=flag)
 
 
@@ -135,10 +154,13 @@ def claim_resumable_dir(
     return resumes
 
 
-def claim_output_file(path: Path, *, overwrite: bool, flag: str = "--out") -> None:
+def claim_output_file(
+    path: Path, *, overwrite: bool, flag: str = "--out", begins: str | None = None
+) -> None:
     """Make sure ``path`` can be written as one output file, or raise a one-line UserError:
     not a folder, its folder creatable and writable, and no existing file replaced unless
-    ``overwrite`` (so a trace or a profile never lands on another run's files).
+    ``overwrite`` (so a trace or a profile never lands on another run's files), and then
+    only a file of the kind written, whose text ``begins`` so (a trace, a profile).
 
     Example:
         >>> import tempfile
@@ -156,9 +178,23 @@ def claim_output_file(path: Path, *, overwrite: bool, flag: str = "--out") -> No
         raise UserError(
             f"{flag} {path} already exists; pass --overwrite to replace it, or pick another {flag}"
         )
+    if path.exists() and begins is not None and not _begins(path, begins):
+        raise UserError(
+            f"{flag} {path} is not gradsync's output, and --overwrite replaces only that; "
+            f"pick another {flag}"
+        )
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         raise UserError(f"{flag} {path}: a folder on its path is a file; pick another {flag}")
     check_writable(path.parent, flag=flag)
+
+
+def _begins(path: Path, text: str) -> bool:
+    """Whether the file ``path`` starts with ``text`` (unreadable: no)."""
+    try:
+        with path.open("rb") as handle:
+            return handle.read(len(text.encode())) == text.encode()
+    except OSError:
+        return False
 
 
 def _holds_gradsync_output(path: Path, names: list[str]) -> bool:
@@ -169,6 +205,21 @@ def _holds_gradsync_output(path: Path, names: list[str]) -> bool:
     if any(name in RUN_MARKERS for name in names):
         return True
     return any(_is_run(path / name) for name in names)
+
+
+def _written_by_gradsync(item: Path) -> bool:
+    """Whether ``item``, at the top of a run folder, is one of gradsync's outputs: a name a
+    job writes there (an atomic write's temporary, a dot and a suffix added, included), or
+    a folder that is a run of its own (a verify cell), or one that holds nothing else (a
+    cell that stopped before its first file: empty)."""
+    name = item.name
+    if name in RUN_ENTRIES or _other_node(name):
+        return True
+    if name.startswith(".") and name.endswith(".tmp"):  # .{entry}.{random}.tmp
+        return name[1:].rsplit(".", 2)[0] in RUN_ENTRIES
+    if not item.is_dir() or item.is_symlink():
+        return False
+    return _is_run(item) or all(_written_by_gradsync(inner) for inner in item.iterdir())
 
 
 def _is_run(folder: Path) -> bool:
@@ -234,6 +285,7 @@ def record_failure(folder: Path, error: Exception) -> str:
 
 
 __all__ = [
+    "RUN_ENTRIES",
     "RUN_MARKERS",
     "check_writable",
     "claim_output_file",

@@ -34,6 +34,7 @@ from gradsync.files import atomic_write_text
 
 COMPUTE = "compute"
 TIMELINE_DIR = "timeline"
+TRACE_BEGINS = '{"traceEvents": '  # how a merged trace file starts (merge_rank_files)
 CLOCK_ROUNDS = 8
 
 

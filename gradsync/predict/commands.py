@@ -209,7 +209,7 @@ def _worker_counts(text: str) -> list[int]:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """``gradsync profile``: measure one worker's step and write its profile to ``--out``."""
-    from gradsync.predict.profile import ProfileRequest, measure_profile
+    from gradsync.predict.profile import PROFILE_BEGINS, ProfileRequest, measure_profile
     from gradsync.rundir import claim_output_file
 
     request = ProfileRequest(
@@ -228,7 +228,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         batchnorm=args.batchnorm,
         dropout=not args.deterministic,
     )
-    claim_output_file(Path(args.out), overwrite=args.overwrite)  # before minutes of measuring
+    claim_output_file(Path(args.out), overwrite=args.overwrite, begins=PROFILE_BEGINS)
     profile = measure_profile(request)
     profile.save(Path(args.out))
     print(

@@ -40,6 +40,7 @@ from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import JobFailed, UserError
 
 FORMAT = "gradsync-profile/1"
+PROFILE_BEGINS = '{\n "format": "gradsync-profile/'  # how a saved profile starts (to_json)
 
 
 @dataclass(frozen=True, kw_only=True)

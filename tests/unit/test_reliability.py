@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -29,7 +30,7 @@ from gradsync.heartbeat import LastBeat
 from gradsync.jobs import inputs_of, validate
 from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank
 from gradsync.resume import check_resume, checkpoint_step, meta_differences, resumable
-from gradsync.rundir import claim_run_dir
+from gradsync.rundir import claim_output_file, claim_run_dir
 from gradsync.runtime import CHECKPOINT_FILE
 from gradsync.signals import HANDLED, Stopped, signals_deferred, stop_on_signals
 from gradsync.strategies import STRATEGIES
@@ -108,8 +109,51 @@ def test_overwrite_never_deletes_an_input_of_the_run(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"this run reads .*mine\.py, which lies inside it"):
         claim_run_dir(run, overwrite=True, inputs=inputs_of(config))
     assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics", "nets"]
+    with pytest.raises(UserError, match="also holds nets, which gradsync did not write"):
+        claim_run_dir(run, overwrite=True, inputs=[tmp_path / "elsewhere.py", "no/such/file"])
+    shutil.rmtree(run / "nets")
     claim_run_dir(run, overwrite=True, inputs=[tmp_path / "elsewhere.py", "no/such/file"])
     assert not any(run.iterdir())
+
+
+@pytest.mark.parametrize(
+    "user_files",
+    [
+        {"thesis.tex": "", "oldrun/config.json": "{}", "oldrun/metrics/rank0.jsonl": ""},
+        {"config.json": "{}", "train.py": ""},
+        {"metrics/": None, "analysis.py": ""},
+    ],
+)
+def test_overwrite_clears_only_a_folder_of_gradsyncs_own_outputs(
+    tmp_path: Path, user_files: dict[str, str | None]
+) -> None:
+    """--overwrite deleted a user's thesis.tex beside an old run, train.py beside a
+    config.json, analysis.py beside a metrics folder (probe 29b). It refuses, touching
+    nothing."""
+    for name, text in user_files.items():
+        path = tmp_path / name
+        if text is None:
+            path.mkdir(parents=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError, match="which gradsync did not write; move it out first"):
+        claim_run_dir(tmp_path, overwrite=True)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_overwrite_removes_a_link_in_a_run_not_what_it_points_to(tmp_path: Path) -> None:
+    """A link to a folder made rmtree fail halfway, the old run half deleted (probe 29b)."""
+    run, kept = tmp_path / "run", tmp_path / "kept"
+    (run / "metrics").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / ".config.json.ab12cd.tmp").write_text("")  # an interrupted atomic write
+    kept.mkdir()
+    (kept / "data.bin").write_text("x")
+    (run / "timeline").symlink_to(kept)  # a name of gradsync's, a user's link
+    claim_run_dir(run, overwrite=True)
+    assert not any(run.iterdir()) and (kept / "data.bin").is_file()
 
 
 def test_a_batch_the_workers_cannot_share_is_refused_before_the_folder(tmp_path: Path) -> None:
@@ -527,3 +571,24 @@ def test_train_refuses_emulated_hosts_its_ranks_would_leave_empty() -> None:
         check_every_host_used(job(2, 3, per_host=2, servers=1))
     with pytest.raises(UserError, match="pass --hosts 2, or more --workers"):
         check_every_host_used(job(1, 3, servers=1))
+
+
+def test_overwrite_and_resume_replace_only_a_trace_or_a_profile(tmp_path: Path) -> None:
+    """`--resume R --timeline notes.txt` and `--overwrite` replaced a user's file with a
+    trace; `profile --out notes.txt --overwrite` with a profile (probe 29b)."""
+    from gradsync.jobs import claim_timeline
+    from gradsync.predict.profile import PROFILE_BEGINS
+    from gradsync.trace import TRACE_BEGINS
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for config, overwrite in ((TrainConfig(timeline=str(notes)), True),
+                              (TrainConfig(timeline=str(notes), resume="r"), False)):  # fmt: skip
+        with pytest.raises(UserError, match="is not gradsync's output"):
+            claim_timeline(config, overwrite=overwrite)
+    with pytest.raises(UserError, match="is not gradsync's output"):
+        claim_output_file(notes, overwrite=True, begins=PROFILE_BEGINS)
+    assert notes.read_text() == "mine"
+    trace = tmp_path / "trace.json"
+    trace.write_text(TRACE_BEGINS + "[]}")
+    claim_timeline(TrainConfig(timeline=str(trace), resume="r"), overwrite=False)
