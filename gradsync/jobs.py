@@ -23,7 +23,7 @@ from gradsync.models.user import check_user_step, is_user_model
 from gradsync.netem import place_ranks
 from gradsync.probe import lookup_tables
 from gradsync.resume import check_resume, checkpoint_step, resumable
-from gradsync.rundir import check_writable, claim_output_file, claim_run_dir
+from gradsync.rundir import check_writable, claim_output_file, claim_run_dir, hold_run_dir
 from gradsync.strategies import check_strategy, strategy_class, world_size_of
 from gradsync.strategies.base import lost_edit
 from gradsync.trace import TRACE_BEGINS
@@ -217,6 +217,8 @@ def prepare_out(config: TrainConfig, *, overwrite: bool) -> None:
     if config.launch.node_rank == 0:
         claim_timeline(config, overwrite=overwrite)  # before the folder: nothing made yet
     if config.resume:
+        if config.launch.node_rank == 0 and out.is_dir():
+            hold_run_dir(out, flag="--resume")
         check_resume(config, out)
     elif config.launch.node_rank == 0:
         claim_run_dir(out, overwrite=overwrite, inputs=inputs_of(config))

@@ -8,6 +8,7 @@ process starts that the folder can be created and written.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -73,6 +74,7 @@ def claim_run_dir(
     """
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a folder; pick another {flag}")
+    hold_run_dir(path, flag=flag)  # before looking: a live job's files are never cleared
     found = (
         sorted(p.name for p in path.iterdir() if not _other_node(p.name)) if path.is_dir() else []
     )
@@ -105,6 +107,37 @@ def claim_run_dir(
             elif not _other_node(item.name):
                 item.unlink()  # a link itself, never what it points to
     check_writable(path, flag=flag)
+
+
+_held: dict[Path, int] = {}  # the folders this process locked: open until it exits
+
+
+def hold_run_dir(path: Path, *, flag: str = "--out") -> None:
+    """Lock the folder ``path`` for this process, creating it, or raise a one-line
+    UserError: two jobs never write one folder at once. The lock is an ``flock`` on the
+    folder itself (no file of its own), which ends with the process however it ends.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp()) / "run"
+        >>> hold_run_dir(run); hold_run_dir(run)  # this process's own: held once
+        >>> list(run.iterdir())
+        []
+    """
+    key = path.resolve()
+    if key in _held:
+        return
+    check_writable(path, flag=flag)
+    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(folder)
+        raise UserError(
+            f"{flag} {path} is being written by another gradsync job right now; wait for it "
+            f"to end, or pick another {flag}"
+        ) from None
+    _held[key] = folder
 
 
 def claim_resumable_dir(
@@ -143,7 +176,7 @@ def claim_resumable_dir(
     if not resumes:
         claim_run_dir(out, overwrite=overwrite, inputs=[definition])
     elif holds_same(out):
-        check_writable(out)
+        hold_run_dir(out)
     else:
         raise UserError(
             f"--out {out} holds {other}; pass --overwrite to replace it, or pick another --out"
@@ -291,5 +324,6 @@ __all__ = [
     "claim_output_file",
     "claim_resumable_dir",
     "claim_run_dir",
+    "hold_run_dir",
     "record_failure",
 ]

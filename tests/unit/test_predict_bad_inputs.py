@@ -61,9 +61,12 @@ def test_profile_overwrite_replaces_the_file(
     measured = profile_of([variable("w", 10, 0.5)])
     monkeypatch.setattr("gradsync.predict.profile.measure_profile", lambda _request: measured)
     out = tmp_path / "p.json"
-    out.write_text("old")
+    profile_of([variable("old", 1, 0.1)]).save(out)  # an earlier profile
     assert main(["profile", "--model", "mnist-cnn", "--out", str(out), "--overwrite"]) == 0
     assert Profile.load(out) == measured
+    out.write_text("a user's notes")  # not a profile: kept
+    assert main(["profile", "--model", "mnist-cnn", "--out", str(out), "--overwrite"]) == 2
+    assert out.read_text() == "a user's notes"
 
 
 @pytest.mark.parametrize(

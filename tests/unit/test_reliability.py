@@ -592,3 +592,23 @@ def test_overwrite_and_resume_replace_only_a_trace_or_a_profile(tmp_path: Path) 
     trace = tmp_path / "trace.json"
     trace.write_text(TRACE_BEGINS + "[]}")
     claim_timeline(TrainConfig(timeline=str(trace), resume="r"), overwrite=False)
+
+
+def test_a_folder_another_job_is_writing_is_refused_until_it_ends(tmp_path: Path) -> None:
+    """Two jobs started into one --out both ran, one's results silently lost; a --resume
+    of a live run broke both (probe 29b)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, pathlib; from gradsync.rundir import hold_run_dir; "
+         f"hold_run_dir(pathlib.Path({str(tmp_path / 'run')!r})); print('held', flush=True); "
+         "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        for overwrite in (False, True):
+            with pytest.raises(UserError, match="being written by another gradsync job"):
+                claim_run_dir(tmp_path / "run", overwrite=overwrite)
+    finally:
+        holder.communicate("")  # it ends, and its lock with it
+    claim_run_dir(tmp_path / "run", overwrite=False)
