@@ -37,6 +37,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+SEED_LIMIT = 1 << 63  # torch.manual_seed takes a signed 64-bit seed
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed from 0 to 2**63 - 1")
+    return value
+
+
 def _path(text: str) -> str:
     """A path argument that names something: an empty one would silently mean the default."""
     if not text.strip():
@@ -98,7 +111,7 @@ def _add_model_options(
         type=_positive_int,
         help="samples per step over all workers (default: the preset's)",
     )
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=_seed, default=0)
     group.add_argument(
         "--batchnorm",
         choices=BATCHNORM_MODES,

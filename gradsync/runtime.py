@@ -389,8 +389,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as error:
-        if isinstance(error, TransportError) and is_lost_connection(str(error)):
-            # A peer stopped first and says why itself: this rank's part is one line.
+        if isinstance(error, TransportError | RuntimeError) and is_lost_connection(str(error)):
+            # A peer stopped first and says why itself: this rank's part is one line (the
+            # server transport's error, or Gloo's in a collective).
             print(f"gradsync: stopped after a peer: {error}", file=sys.stderr, flush=True)
             return 1
         traceback.print_exc()
