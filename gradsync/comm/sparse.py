@@ -123,13 +123,16 @@ def coalesce_rows(grad: Tensor | None, num_rows: int) -> tuple[Tensor, Tensor]:
         >>> g = torch.sparse_coo_tensor([[3, 1, 3]], torch.ones(3, 2), (5, 2))
         >>> idx, val = coalesce_rows(g, 5); idx.tolist(), val.tolist()
         ([1, 3], [[1.0, 1.0], [2.0, 2.0]])
+        >>> coalesce_rows(torch.sparse_coo_tensor([[]], torch.ones(0, 2), (5, 2)), 5)[1].shape
+        torch.Size([0, 2])
     """
     if grad is None:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, 1)
     if grad.is_sparse:
         grad = grad.coalesce()
         indices = grad.indices()[0]
-        return indices, grad.values().reshape(len(indices), -1)
+        width = math.prod(grad.shape[1:])  # a worker that looked up no row has 0 of them
+        return indices, grad.values().reshape(len(indices), width)
     rows = grad.reshape(num_rows, -1)
     indices = rows.ne(0).any(dim=1).nonzero().squeeze(1)
     return indices, rows[indices]

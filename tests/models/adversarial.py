@@ -20,8 +20,10 @@
 
 ``build_sparse`` (sparse gradients, so no weight decay: torch's SGD refuses it there):
 
-- a sparse lookup table, a sparse table read only by gated samples, a sparse table never
-  read, and a sparse table tied to the output layer (read whole, so not a lookup).
+- a sparse lookup table, a sparse table read only by gated samples, one looked up with
+  the gate as a mask (a worker whose shard has no gated sample holds a sparse gradient of
+  0 rows: it crashed allreduce and hybrid before session 29), a sparse table never read,
+  and a sparse table tied to the output layer (read whole, so not a lookup).
 
 Both are ordinary user models (``--model tests/models/adversarial.py:build_dense``).
 """
@@ -122,12 +124,14 @@ class DenseAdversary(nn.Module):
 
 
 class SparseAdversary(nn.Module):
-    """Sparse lookup tables: plain, gated, never read, and tied to the output layer."""
+    """Sparse lookup tables: plain, gated, looked up with a mask that may select no
+    sample, never read, and tied to the output layer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lookup = nn.Embedding(VOCAB, DIM, sparse=True)
         self.rare = nn.Embedding(VOCAB, DIM, sparse=True)
+        self.masked = nn.Embedding(VOCAB, DIM, sparse=True)
         self.never_read = nn.Embedding(VOCAB, DIM, sparse=True)
         self.tied = nn.Embedding(VOCAB, DIM, sparse=True)
         self.hidden = nn.Linear(DIM, DIM)
@@ -138,6 +142,9 @@ class SparseAdversary(nn.Module):
         ids, gate = x[:, 0].long(), x[:, 1] > GATE
         h = self.lookup(input=ids) + self.tied((ids + 1) % VOCAB)  # a keyword, as torch allows
         h = _gated(h, gate, self.rare, ids)
+        masked = torch.zeros_like(h)
+        masked[gate] = self.masked(ids[gate])  # no gated sample: a gradient of 0 rows
+        h = h + masked
         return self.out(torch.tanh(self.hidden(h)))
 
 
