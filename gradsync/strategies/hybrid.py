@@ -152,25 +152,57 @@ def classify(model: nn.Module, options: HybridOptions) -> dict[str, str]:
     """
     lookups = lookup_tables(model)
     tied = tied_names(model)
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    _check_patterns_match(trainable, options)
     result = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
+    for name in trainable:
         # A tied lookup table is also read whole (e.g. as the output projection): pulling
         # only the rows a lookup reads would leave that reader with stale rows.
         sparse = name in lookups and lookups[name].sparse and name not in tied
         if any(_matches(name, p) for p in options.sparse_patterns):
-            if name not in lookups:
-                raise UserError(
-                    f"--sparse-pattern matched '{name}', which is not the weight of an "
-                    "nn.Embedding/EmbeddingBag: hybrid pulls the rows a lookup reads, so only "
-                    "lookup tables can take the sparse path; narrow the pattern"
-                )
+            _check_forced_sparse(name, lookups, tied)
             sparse = True
         if any(_matches(name, p) for p in options.dense_patterns):
             sparse = False
         result[name] = "sparse" if sparse else "dense"
     return result
+
+
+def _check_patterns_match(names: list[str], options: HybridOptions) -> None:
+    """UserError for a pattern that matches no trainable variable (a typo would otherwise
+    leave the classification silently as it was)."""
+    for flag, patterns in (
+        ("--sparse-pattern", options.sparse_patterns),
+        ("--dense-pattern", options.dense_patterns),
+    ):
+        for pattern in patterns:
+            if not any(_matches(name, pattern) for name in names):
+                shown = ", ".join(names[:4]) + (", …" if len(names) > 4 else "")
+                raise UserError(
+                    f"{flag} {pattern!r} matches no trainable variable of the model ({shown}); "
+                    "fix the pattern (globs match whole names, e.g. 'emb*.weight')"
+                )
+
+
+def _check_forced_sparse(name: str, lookups: dict[str, nn.Module], tied: set[str]) -> None:
+    """UserError unless ``--sparse-pattern`` may send ``name`` through the servers: the
+    weight of a lookup built with ``sparse=True`` and read by nothing else."""
+    if name not in lookups:
+        raise UserError(
+            f"--sparse-pattern matched '{name}', which is not the weight of an "
+            "nn.Embedding/EmbeddingBag: hybrid pulls the rows a lookup reads, so only "
+            "lookup tables can take the sparse path; narrow the pattern"
+        )
+    if not lookups[name].sparse:
+        raise UserError(
+            f"--sparse-pattern matched '{name}', whose lookup is built with sparse=False: its "
+            "gradient is a dense table, not rows; build it with sparse=True, or narrow the pattern"
+        )
+    if name in tied:
+        raise UserError(
+            f"--sparse-pattern matched '{name}', a lookup table tied to another layer that "
+            "reads it whole: the servers would leave that layer stale rows; narrow the pattern"
+        )
 
 
 def tied_names(model: nn.Module) -> set[str]:

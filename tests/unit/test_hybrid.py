@@ -45,8 +45,10 @@ def test_classification_follows_sparse_gradients_and_patterns() -> None:
     assert [n for n, k in dense.items() if k == "sparse"] == ["embedding.weight"]
     plain = LSTMLanguageModel(PRESETS["tiny"])  # dense embedding, full softmax
     assert set(classify(plain, HybridOptions()).values()) == {"dense"}
-    forced = classify(plain, HybridOptions(sparse_patterns=("re:^embedding\\.",)))
-    assert forced["embedding.weight"] == "sparse"
+    # Its lookup has sparse=False: a dense gradient, which the servers' rows cannot take
+    # (it crashed at step 0 before session 29).
+    with pytest.raises(UserError, match="built with sparse=False"):
+        classify(plain, HybridOptions(sparse_patterns=("re:^embedding\\.",)))
     with pytest.raises(UserError, match="not the weight of an"):
         classify(plain, HybridOptions(sparse_patterns=("decoder.*",)))
 
@@ -147,3 +149,18 @@ def test_rows_are_predicted_from_the_inputs_that_fed_each_table() -> None:
     # A table read from no input (indices made in the forward) is not predicted.
     predictor.learn({"emb": torch.tensor([50])}, step_1)
     assert predictor.sources == {"emb": ()} and predictor.predict(step_1) == {}
+
+
+def test_a_pattern_must_match_and_may_force_only_a_sparse_untied_lookup() -> None:
+    """A pattern matching nothing left the classification silently unchanged (probe 29c)."""
+    model = LSTMLanguageModel(PRESETS["tiny"], sparse_embedding=True, num_sampled=4)
+    with pytest.raises(UserError, match="--dense-pattern 'embedding' matches no trainable"):
+        classify(model, HybridOptions(dense_patterns=("embedding",)))  # no '.weight'
+    with pytest.raises(UserError, match=r"--sparse-pattern 'nothing\.\*' matches no trainable"):
+        classify(model, HybridOptions(sparse_patterns=("nothing.*",)))
+    emb, out = nn.Embedding(5, 3, sparse=True), nn.Linear(3, 5, bias=False)
+    out.weight = emb.weight
+    tied = nn.ModuleDict({"emb": emb, "out": out})
+    assert classify(tied, HybridOptions()) == {"emb.weight": "dense"}
+    with pytest.raises(UserError, match="tied to another layer that reads it whole"):
+        classify(tied, HybridOptions(sparse_patterns=("emb.weight",)))
