@@ -86,6 +86,21 @@ def lookup_tables(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]
     }
 
 
+def tied_names(model: nn.Module) -> set[str]:
+    """Names (as ``named_parameters`` gives them) of parameters registered more than once.
+
+    Example:
+        >>> emb, out = nn.Embedding(5, 3, sparse=True), nn.Linear(3, 5, bias=False)
+        >>> out.weight = emb.weight
+        >>> sorted(tied_names(nn.ModuleDict({"emb": emb, "out": out})))
+        ['emb.weight']
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return {names[0] for names in names_of.values() if len(names) > 1}
+
+
 def sparse_lookup_weights(model: nn.Module) -> set[str]:
     """Names of the lookup-table weights with sparse gradients (``sparse=True``).
 

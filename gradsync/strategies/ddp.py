@@ -17,7 +17,7 @@ from gradsync.config import TrainConfig
 from gradsync.data.base import shard_bounds
 from gradsync.errors import UserError
 from gradsync.options import StrategyOptions, option
-from gradsync.probe import params_without_gradient, sparse_lookup_weights
+from gradsync.probe import params_without_gradient, sparse_lookup_weights, tied_names
 from gradsync.strategies.base import Context, Strategy
 
 
@@ -57,9 +57,10 @@ class NativeDDP(Strategy):
 
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
-        """Refuse, before launch, a sparse-gradient parameter that some worker leaves without
-        a gradient in step 0: torch's DDP reducer cannot reduce it ("Expected sparse
-        gradient to be defined")."""
+        """Refuse, before launch, a sparse-gradient parameter that torch's DDP reducer cannot
+        reduce: one tied to a layer that reads it whole (its gradient is dense: "Expected
+        variable to have sparse gradient"), or one some worker leaves without a gradient in
+        step 0 ("Expected sparse gradient to be defined")."""
         if config.workers == 1:
             return
         from gradsync.models import workload_of
@@ -68,6 +69,12 @@ class NativeDDP(Strategy):
         sparse = sparse_lookup_weights(workload.model)
         if not sparse:
             return
+        if tied := sorted(sparse & tied_names(workload.model)):
+            raise UserError(
+                f"ddp: {', '.join(tied)} is an nn.Embedding(sparse=True) weight tied to a layer "
+                "that reads it whole, so its gradient is dense and torch's DDP expects a sparse "
+                "one; use --strategy allreduce or hybrid, or build the embedding with sparse=False"
+            )
         global_batch = config.global_batch or workload.global_batch
         missing: set[str] = set()
         for worker in range(config.workers):

@@ -73,7 +73,7 @@ from gradsync.comm.wire import Inbox, Lanes
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.options import InvalidOption, option
-from gradsync.probe import lookup_tables
+from gradsync.probe import lookup_tables, tied_names
 from gradsync.strategies.allreduce import FusionOptions
 from gradsync.strategies.base import (
     Context,
@@ -203,21 +203,6 @@ def _check_forced_sparse(name: str, lookups: dict[str, nn.Module], tied: set[str
             f"--sparse-pattern matched '{name}', a lookup table tied to another layer that "
             "reads it whole: the servers would leave that layer stale rows; narrow the pattern"
         )
-
-
-def tied_names(model: nn.Module) -> set[str]:
-    """Names (as ``named_parameters`` gives them) of parameters registered more than once.
-
-    Example:
-        >>> emb, out = nn.Embedding(5, 3, sparse=True), nn.Linear(3, 5, bias=False)
-        >>> out.weight = emb.weight
-        >>> sorted(tied_names(nn.ModuleDict({"emb": emb, "out": out})))
-        ['emb.weight']
-    """
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
-    return {names[0] for names in names_of.values() if len(names) > 1}
 
 
 def describe_classification(model: nn.Module, kinds: dict[str, str]) -> str:

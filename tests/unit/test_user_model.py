@@ -683,3 +683,36 @@ def test_a_resume_names_the_model_file_by_any_path_to_it(tmp_path: Path, monkeyp
     assert meta_differences({"model": f"{other}:build"}, config) == [
         f"model {other}:build, not counted.py:build"
     ]
+
+
+STRANDED_SPARSE = """
+    import torch
+    from torch import nn
+
+    def items():
+        return [(torch.tensor([i % 4, i]), torch.tensor(i % 2)) for i in range(8)]
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rare = nn.Embedding(8, 3, sparse=True)  # read by sample 0 alone
+            self.out = nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = torch.zeros(len(x), 3)
+            if bool((x[:, 1] == 0).any()):
+                h = h + self.rare(x[:, 0])
+            return self.out(h + x[:, :1].float())
+
+    def build():
+        return Gated(), items(), nn.functional.cross_entropy
+"""
+
+
+def test_ddp_refuses_a_sparse_gradient_some_worker_lacks(tmp_path: Path) -> None:
+    from gradsync.strategies.ddp import NativeDDP
+
+    path = _write(tmp_path, "stranded.py", STRANDED_SPARSE)
+    config = TrainConfig(model=f"{path}:build", strategy="ddp", workers=2, global_batch=8)
+    with pytest.raises(UserError, match=r"rare\.weight get none on some worker in step 0"):
+        NativeDDP.check_config(config)
