@@ -16,7 +16,7 @@ from typing import Any
 from gradsync.bench.analysis import Row, analyse
 from gradsync.bench.equal import Swept, setting
 from gradsync.bench.experiment import Experiment, PublishedGain, load_experiment
-from gradsync.bench.sweep import load_results
+from gradsync.bench.sweep import experiment_results
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_text
 from gradsync.tables import markdown_table
@@ -50,7 +50,7 @@ def write_report(out: Path) -> Path:
     if not (out / "experiment.toml").exists():
         raise UserError(f"{out} holds no sweep (no experiment.toml); run gradsync bench first")
     experiment = load_experiment(out / "experiment.toml")
-    records = load_results(out)
+    records = experiment_results(out, experiment)
     rows = analyse(experiment, records, out)
     lines = [f"# {experiment.name}", ""]
     if experiment.description:

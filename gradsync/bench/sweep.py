@@ -227,7 +227,15 @@ def run_sweep(
             )
             results.write(json.dumps(record) + "\n")
             results.flush()
-    return load_results(out)
+    return experiment_results(out, experiment)
+
+
+def experiment_results(out: Path, experiment: Experiment) -> list[dict[str, Any]]:
+    """The records in ``out`` of ``experiment``'s cells: a cell an earlier version of the
+    experiment had, and this one does not, stays in ``results.jsonl`` but out of its report.
+    """
+    cells = {cell.id for cell in experiment.cells()}
+    return [record for record in load_results(out) if record["id"] in cells]
 
 
 def claim_results_dir(out: Path, experiment: Experiment, *, overwrite: bool) -> None:

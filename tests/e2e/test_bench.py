@@ -86,6 +86,12 @@ def test_interrupted_sweep_resumes_without_redoing_cells(
     assert calls[0] not in resumed and len(resumed) == 1
     assert len(records) == 2 and all(r["status"] == "ok" for r in records)
     assert write_report(workdir / "out").exists()
+    # The experiment without allreduce, into the same folder: its cell stays in the
+    # records file, out of the sweep's results and its report (probe 29b: both listed).
+    experiment_file.write_text(experiment_file.read_text().replace(', "allreduce"', ""))
+    records = sweep.run_sweep(load_experiment(experiment_file), workdir / "out")
+    assert [r["strategy"] for r in records] == ["single"] and len(resumed) == 1
+    assert "| allreduce |" not in write_report(workdir / "out").read_text()
 
 
 @pytest.mark.slow
