@@ -131,12 +131,15 @@ def hold_run_dir(path: Path, *, flag: str = "--out") -> None:
     folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         os.close(folder)
         raise UserError(
             f"{flag} {path} is being written by another gradsync job right now; wait for it "
             f"to end, or pick another {flag}"
         ) from None
+    except OSError:  # a file system without locks (some network mounts): go on unlocked
+        os.close(folder)
+        return
     _held[key] = folder
 
 
