@@ -106,7 +106,6 @@ def claim_run_dir(
                 shutil.rmtree(item)
             elif not _other_node(item.name):
                 item.unlink()  # a link itself, never what it points to
-    check_writable(path, flag=flag)
 
 
 _held: dict[Path, int] = {}  # the folders this process locked: open until it exits

@@ -23,6 +23,20 @@ def default_warmup(num_steps: int) -> int:
     return max(0, min(max(MIN_WARMUP, math.ceil(0.1 * num_steps)), num_steps - 1))
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (0..100) of ``values``.
+
+    Example:
+        >>> percentile([1.0, 2.0, 3.0, 4.0], 90)
+        3.7
+    """
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return round(ordered[low] + (ordered[high] - ordered[low]) * (position - low), 12)
+
+
 @dataclass(frozen=True)
 class Throughput:
     """Samples per second: median and range over windows of the measured steps."""

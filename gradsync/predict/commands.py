@@ -182,9 +182,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 def _strategy_specs(args: argparse.Namespace) -> list[str]:
     """The ``--strategies`` list with ``--servers``/``--colocate`` added where they apply."""
-    specs = []
     from gradsync.strategies import split_specs
 
+    specs = []
     for spec in split_specs(args.strategies):
         name = spec.split(":")[0]
         if args.servers is not None and name in ("ps", "hybrid", "p3"):

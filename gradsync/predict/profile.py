@@ -38,6 +38,7 @@ from typing import Any
 from gradsync.allocator import keep_step_memory
 from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import JobFailed, UserError
+from gradsync.stats import percentile
 
 FORMAT = "gradsync-profile/1"
 PROFILE_BEGINS = '{\n "format": "gradsync-profile/'  # how a saved profile starts (to_json)
@@ -132,25 +133,16 @@ SPARSE_TIMES = (
 )  # fmt: skip
 
 
-def _quantile(ordered: Sequence[float], share: float) -> float:
-    """The ``share`` quantile of the sorted ``ordered``, linear between neighbours
-    (``share`` 0.5: the median)."""
-    position = share * (len(ordered) - 1)
-    below = int(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
-
-
 def _pooled_samples(profiles: Sequence[Profile], compute_s: float) -> tuple[float, ...]:
     """Every profile's compute samples, each profile's scaled to median ``compute_s``: the
     step-to-step spread of all of them, without the drift between the moments they were
     taken (which :meth:`Profile.mean` averages away)."""
     pooled: list[float] = []
     for profile in profiles:
-        samples = sorted(profile.compute_samples_s)
-        if samples and samples[0] > 0:
-            middle = _quantile(samples, 0.5)
-            pooled += [s * compute_s / middle for s in profile.compute_samples_s]
+        samples = profile.compute_samples_s
+        if samples and min(samples) > 0:
+            middle = statistics.median(samples)
+            pooled += [s * compute_s / middle for s in samples]
     return tuple(pooled)
 
 
@@ -245,10 +237,10 @@ class Profile:
             >>> [round(p.straggler_stretch(n), 3) for n in (1, 2, 10**6)]
             [1.0, 1.207, 1.5]
         """
-        samples = sorted(self.compute_samples_s)
-        if workers <= 1 or not samples or samples[0] <= 0:
+        samples = self.compute_samples_s
+        if workers <= 1 or not samples or min(samples) <= 0:
             return 1.0
-        return _quantile(samples, 0.5 ** (1 / workers)) / _quantile(samples, 0.5)
+        return percentile(samples, 100 * 0.5 ** (1 / workers)) / percentile(samples, 50)
 
     @property
     def dense_variables(self) -> tuple[VariableProfile, ...]:
@@ -872,9 +864,13 @@ class _StepClock:
         work()
         self._mark(key, started)
 
-    def median(self, key: str, warmup: int) -> float:
+    def kept(self, key: str, warmup: int) -> list[float]:
+        """``key``'s samples after ``warmup`` steps (all of them if no more were taken)."""
         values = self.samples.get(key, [])
-        kept = values[warmup:] or values
+        return values[warmup:] or values
+
+    def median(self, key: str, warmup: int) -> float:
+        kept = self.kept(key, warmup)
         return statistics.median(kept) if kept else 0.0
 
 
@@ -1028,9 +1024,8 @@ def _assemble(
 
 def _compute_samples(clock: _StepClock, warmup: int) -> tuple[float, ...]:
     """Forward plus backward of each step after ``warmup``, in step order."""
-    forward, backward = clock.samples["forward"], clock.samples["backward"]
-    kept = range(warmup, len(forward)) if len(forward) > warmup else range(len(forward))
-    return tuple(forward[i] + backward[i] for i in kept)
+    pairs = zip(clock.kept("forward", warmup), clock.kept("backward", warmup), strict=True)
+    return tuple(forward + backward for forward, backward in pairs)
 
 
 def _row_bins(clock: _StepClock, name: str, warmup: int) -> tuple[float, ...]:

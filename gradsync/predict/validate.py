@@ -68,6 +68,7 @@ from gradsync.predict.network import (
 from gradsync.predict.profile import Profile, ProfileRequest, measure_profile
 from gradsync.predict.simulate import StrategyChoice, predict_step
 from gradsync.predict.sweep import parse_choice, recommend
+from gradsync.stats import percentile
 from gradsync.toml_keys import TomlKeys, read_toml
 
 KEYS = {
@@ -654,20 +655,6 @@ def _cell_line(cell: dict[str, Any]) -> str:
     )
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated q-th percentile (0..100) of ``values``.
-
-    Example:
-        >>> percentile([1.0, 2.0, 3.0, 4.0], 90)
-        3.7
-    """
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return round(ordered[low] + (ordered[high] - ordered[low]) * (position - low), 12)
-
-
 def _with_spread(cell: dict[str, Any], out: Path) -> dict[str, Any]:
     """``cell`` with the min–max of its rounds, or of its one run's measurement windows (the
     noise it had)."""
@@ -813,7 +800,6 @@ __all__ = [
     "cluster_for",
     "combine_rounds",
     "load_plan",
-    "percentile",
     "run_validation",
     "summarize",
 ]
