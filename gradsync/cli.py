@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -22,9 +23,32 @@ EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR = 0, 1, 2
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line and exit code 2 (no usage dump)."""
 
+    _argv: Sequence[str] = ()
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):
+            message += _dash_value_hint(message, self._argv)
         sys.stderr.write(f"gradsync: error: {message} (see {self.prog} --help)\n")
         sys.exit(EXIT_USER_ERROR)
+
+
+def _dash_value_hint(message: str, argv: Sequence[str]) -> str:
+    """argparse reads a value such as ``-1gbit`` as a flag: say how to pass it.
+
+    >>> _dash_value_hint("argument --lr: expected one argument", ["--lr", "-1"])
+    '; argparse reads -1 as a flag: write --lr=-1'
+    """
+    options = message.removeprefix("argument ").split(":")[0].split("/")
+    for option, value in itertools.pairwise(argv):
+        if option in options and value.startswith("-"):
+            return f"; argparse reads {value} as a flag: write {option}={value}"
+    return ""
 
 
 def _positive_int(text: str) -> int:

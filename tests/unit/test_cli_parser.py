@@ -55,6 +55,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["train", "--workers", "0"], "0 is not a positive integer"),
         (["train", "--workers", "two"], "'two' is not an integer"),
         (["train", "--steps", "-1"], "-1 is not a positive integer"),
+        (["predict", "--bandwidth", "-1gbit"], "write --bandwidth=-1gbit"),
         (["train", "--lr", "fast"], "fast"),
         (["train", "--device", "gpu"], "gpu"),
         (["train", "--model-option", "novalue"], "'novalue' is not KEY=VALUE"),
