@@ -146,7 +146,7 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
         >>> meta_differences(meta, asynchronous)
         ['--async False, not True']
     """
-    from gradsync.models import workload_of
+    from gradsync.models import same_options, workload_of
     from gradsync.models.user import same_model
 
     preset_batch = workload_of(config).global_batch
@@ -156,8 +156,13 @@ def meta_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
     differences = [
         f"{key} {meta[key]}, not {value}"
         for key, value in mine.items()
-        if key not in ("strategy_options", "model") and key in meta and meta[key] != value
+        if key not in ("strategy_options", "model", "model_options")
+        and key in meta
+        and meta[key] != value
     ]
+    recorded_options = meta.get("model_options", config.model_options)
+    if not same_options(config.model, recorded_options, config.model_options):
+        differences.append(f"model_options {recorded_options}, not {config.model_options}")
     if "model" in meta and not same_model(meta["model"], config.model):
         differences.insert(0, f"model {meta['model']}, not {config.model}")
     flags = {item.name: flag_of(item) for item in dataclasses.fields(config.strategy_options)}

@@ -73,6 +73,28 @@ def check_model(
         parse_options(spec.options, request.options, name)
 
 
+def same_options(name: str, first: Mapping[str, str], second: Mapping[str, str]) -> bool:
+    """Whether two ``--model-option`` sets build the same registered model: a value written
+    another way (``sparse=yes``) or equal to its default counts as the same. A user model's
+    options, which gradsync cannot parse, are compared as written.
+
+    Example:
+        >>> same_options("lstm-lm", {"sparse": "yes"}, {"sparse": "true"})
+        True
+        >>> same_options("lstm-lm", {"sparse": "false"}, {})
+        True
+        >>> same_options("lstm-lm", {"sparse": "true"}, {})
+        False
+    """
+    if is_user_model(name) or name not in REGISTRY:
+        return dict(first) == dict(second)
+    options_type = REGISTRY[name].options
+    try:
+        return parse_options(options_type, first, name) == parse_options(options_type, second, name)
+    except UserError:
+        return dict(first) == dict(second)
+
+
 def build_workload(
     name: str,
     *,
@@ -157,6 +179,7 @@ __all__ = [
     "build_workload",
     "check_model",
     "model_spec",
+    "same_options",
     "shared_workloads",
     "workload_of",
 ]

@@ -386,6 +386,15 @@ def test_resume_names_a_setting_that_differs_and_refuses_a_strategy_it_cannot_re
     assert meta_differences(ran, config.replace(global_batch=16)) == []
     changed = config.replace(global_batch=16, optim=OptimConfig(lr=0.1, momentum=0.5))
     assert meta_differences(ran, changed) == ["lr 0.05, not 0.1", "momentum 0.9, not 0.5"]
+    # A model option is compared as the model reads it: its default, or written another
+    # way, is no change; a different value is.
+    lstm = {"model": "lstm-lm", "preset": "tiny", "model_options": {"sparse": "false"}}
+    plain = TrainConfig(model="lstm-lm", preset="tiny")
+    assert meta_differences(lstm, plain) == []
+    assert meta_differences(lstm, plain.replace(model_options={"sparse": "no"})) == []
+    assert meta_differences(lstm, plain.replace(model_options={"sparse": "true"})) == [
+        "model_options {'sparse': 'false'}, not {'sparse': 'true'}"
+    ]
     assert all(resumable(name) for name in ("single", "ddp", "allreduce", "ps", "hybrid", "p3"))
     with mock.patch.dict(STRATEGIES, {"saves-own": _SavesItsOwnState}):
         assert not resumable("saves-own")
