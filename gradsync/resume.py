@@ -76,6 +76,11 @@ def check_resume(config: TrainConfig, run_dir: Path) -> int:
         )
     if not run_dir.is_dir():
         raise UserError(f"--resume {run_dir}: no such run folder; pass the --out of the run")
+    if not (run_dir / CHECKPOINT_FILE).is_file() and not (run_dir / "config.json").is_file():
+        raise UserError(
+            f"--resume {run_dir}: not a training run's folder (no config.json, no checkpoint); "
+            "pass the --out of a `gradsync train` run"
+        )
     if not (run_dir / CHECKPOINT_FILE).is_file():
         raise UserError(
             f"--resume {run_dir}: the run wrote no checkpoint (it stopped before its first "

@@ -401,6 +401,10 @@ def test_resume_names_a_setting_that_differs_and_refuses_a_strategy_it_cannot_re
         with pytest.raises(UserError, match="no restore_state") as refused:
             check_resume(TrainConfig(strategy="saves-own"), tmp_path)
     assert len(str(refused.value).splitlines()) == 1
+    (tmp_path / "predictions.json").write_text("{}")  # another command's folder
+    with pytest.raises(UserError, match="not a training run's folder"):
+        check_resume(TrainConfig(strategy="ps", workers=2), tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UserError, match="wrote no checkpoint"):
         check_resume(TrainConfig(strategy="ps", workers=2), tmp_path)
 
