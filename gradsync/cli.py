@@ -352,7 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare = commands.add_parser("compare", help="compare checkpoints tensor by tensor")
     compare.add_argument("checkpoints", nargs="+", help="reference first, then the others")
-    compare.add_argument("--tolerance", type=float, default=1e-5, help="max abs difference")
+    compare.add_argument(
+        "--tolerance",
+        type=float,
+        help="max abs difference (default: 1e-9 when every checkpoint is float64, else 1e-5)",
+    )
     _add_predict_parsers(commands)
     return parser
 
@@ -533,14 +537,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from gradsync.checkpoint import load_checkpoint
-    from gradsync.compare import diff_checkpoints, setting_differences
+    from gradsync.compare import default_tolerance, diff_checkpoints, setting_differences
     from gradsync.tables import print_table
 
     if len(args.checkpoints) < 2:
         raise UserError("compare needs at least two checkpoints: REFERENCE OTHER [OTHER ...]")
-    if not 0 <= args.tolerance < math.inf:
+    if args.tolerance is not None and not 0 <= args.tolerance < math.inf:
         raise UserError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
-    reference, *others = [load_checkpoint(path) for path in args.checkpoints]
+    checkpoints = [load_checkpoint(path) for path in args.checkpoints]
+    reference, *others = checkpoints
+    tolerance = args.tolerance
+    if tolerance is None:
+        tolerance = default_tolerance(checkpoints)
     beyond = 0
     for other in others:
         diffs = diff_checkpoints(reference, other)
@@ -549,14 +557,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 d.name,
                 f"{d.max_abs:.3e}",
                 f"{d.max_rel:.3e}",
-                "ok" if d.within(args.tolerance) else "BEYOND",
+                "ok" if d.within(tolerance) else "BEYOND",
             ]
             for d in diffs
         ]
-        beyond += sum(not d.within(args.tolerance) for d in diffs)
+        beyond += sum(not d.within(tolerance) for d in diffs)
         print_table(
             f"reference {reference.path}, compared {other.path} "
-            f"(tolerance: max abs ≤ {args.tolerance:g})",
+            f"(tolerance: max abs ≤ {tolerance:g})",
             ["tensor", "max abs diff", "max rel diff", "verdict"],
             rows,
         )

@@ -9,7 +9,8 @@ import torch
 from gradsync.checkpoint import Checkpoint
 from gradsync.errors import UserError
 
-DEFAULT_TOLERANCE = 1e-5
+FLOAT32_TOLERANCE = 1e-5  # a few float32 roundings summed over a run's steps
+FLOAT64_TOLERANCE = 1e-9  # float64 rounds near 1e-16: only a real difference exceeds this
 RELATIVE_FLOOR = 1e-6  # elements smaller than this in the reference are left out of max rel
 
 
@@ -126,6 +127,28 @@ def setting_differences(reference: Checkpoint, other: Checkpoint) -> list[str]:
     return notes
 
 
+def default_tolerance(checkpoints: list[Checkpoint]) -> float:
+    """``compare``'s max |Δ| when none is given: float64's when every checkpoint holds only
+    float64 parameters, float32's otherwise (as ``verify`` judges each dtype).
+
+    Example:
+        >>> w = torch.zeros(1, dtype=torch.float64)
+        >>> both = [Checkpoint(path=n, tensors={"param/w": w}, meta={}) for n in "ab"]
+        >>> default_tolerance(both)
+        1e-09
+        >>> default_tolerance([both[0], Checkpoint(path="c", tensors={"param/w": w.float()},
+        ...                                        meta={})])
+        1e-05
+    """
+    floats = {
+        tensor.dtype
+        for checkpoint in checkpoints
+        for tensor in checkpoint.parameters().values()
+        if tensor.is_floating_point()
+    }
+    return FLOAT64_TOLERANCE if floats == {torch.float64} else FLOAT32_TOLERANCE
+
+
 def worst(diffs: list[TensorDiff]) -> TensorDiff:
     """The largest max-abs and max-rel over all tensors (each may come from another tensor)."""
     return TensorDiff(
@@ -136,7 +159,8 @@ def worst(diffs: list[TensorDiff]) -> TensorDiff:
 
 
 __all__ = [
-    "DEFAULT_TOLERANCE",
+    "FLOAT32_TOLERANCE",
+    "FLOAT64_TOLERANCE",
     "TensorDiff",
     "diff_checkpoints",
     "setting_differences",

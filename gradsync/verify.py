@@ -38,7 +38,13 @@ from typing import Any
 
 from gradsync.checkpoint import Checkpoint, load_checkpoint
 from gradsync.comm.batchnorm import has_batchnorm
-from gradsync.compare import TensorDiff, diff_checkpoints, worst
+from gradsync.compare import (
+    FLOAT32_TOLERANCE,
+    FLOAT64_TOLERANCE,
+    TensorDiff,
+    diff_checkpoints,
+    worst,
+)
 from gradsync.config import TrainConfig
 from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
@@ -54,8 +60,7 @@ from gradsync.strategies import options_class, strategy_class
 from gradsync.tables import markdown_table, print_table
 from gradsync.topology import default_threads
 
-SGD_TOLERANCE = 1e-5
-FLOAT64_TOLERANCE = 1e-9
+SGD_TOLERANCE = FLOAT32_TOLERANCE
 NOISE_FACTOR = 10
 ADAM_NOISE_FRACTION = 0.25
 

@@ -110,7 +110,7 @@ def test_defaults_per_command():
     assert (train.nnodes, train.node_rank, train.master_port) == (1, 0, None)
     assert verify.strategies is None
     compare = parser.parse_args(["compare", "a", "b"])
-    assert (compare.checkpoints, compare.tolerance) == (["a", "b"], 1e-5)
+    assert (compare.checkpoints, compare.tolerance) == (["a", "b"], None)
 
 
 def test_model_options_are_key_value_pairs_in_order():
@@ -250,6 +250,13 @@ def test_compare_exit_codes(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "BEYOND" in out and "1 tensor(s) beyond tolerance" in out
     assert main(["compare", paths[0], paths[2], "--tolerance", "0.5"]) == 0
+    # float64 checkpoints are judged at float64's tolerance: 1e-7 apart is a difference
+    near = torch.ones(3, dtype=torch.float64)
+    save_checkpoint(tmp_path / "d.safetensors", {"param/w": near}, meta)
+    save_checkpoint(tmp_path / "e.safetensors", {"param/w": near + 1e-7}, meta)
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "d.safetensors"), str(tmp_path / "e.safetensors")]) == 1
+    assert "max abs ≤ 1e-09" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- train under a launcher
