@@ -106,14 +106,26 @@ def partition_variables(
 
 
 def place_greedy(partitions: Sequence[Piece], num_servers: int) -> list[Piece]:
-    """Biggest first, each to the least-loaded server (ties: lowest server index)."""
+    """Biggest first, each to the least-loaded server (ties: lowest server index) that holds
+    no other partition of its variable: a variable is split to spread it over servers.
+
+    Example:
+        >>> w, x = Variable("w", 60), Variable("x", 70)
+        >>> pieces = partition_variables([w, x], num_servers=2, threshold_bytes=256)
+        >>> [(p.name, p.server) for p in place_greedy(pieces, 2)]
+        [('w', 0), ('x', 1), ('x', 0)]
+    """
     loads = [0] * num_servers
+    holders: dict[str, set[int]] = {}
     placed: dict[int, Piece] = {}
     order = sorted(range(len(partitions)), key=lambda i: (-partitions[i].num_bytes, i))
     for index in order:
-        server = min(range(num_servers), key=lambda s: (loads[s], s))
-        loads[server] += partitions[index].num_bytes
-        placed[index] = _on(partitions[index], server)
+        piece = partitions[index]
+        held = holders.setdefault(piece.name, set())
+        server = min(range(num_servers), key=lambda s: (s in held, loads[s], s))
+        held.add(server)
+        loads[server] += piece.num_bytes
+        placed[index] = _on(piece, server)
     return [placed[i] for i in range(len(partitions))]
 
 

@@ -96,3 +96,14 @@ def test_round_robin_deals_partitions_in_model_order(
 ) -> None:
     placed = place_round_robin(partition_variables(variables, num_servers, 1 << 30), num_servers)
     assert [p.server for p in placed] == [i % num_servers for i in range(len(placed))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(variables=variables_lists, num_servers=st.integers(1, 6), threshold=st.integers(4, 4_000))
+def test_greedy_spreads_a_variables_partitions_over_servers(
+    variables: list[Variable], num_servers: int, threshold: int
+) -> None:
+    placed = place_greedy(partition_variables(variables, num_servers, threshold), num_servers)
+    for variable in variables:
+        servers = [p.server for p in placed if p.name == variable.name]
+        assert len(servers) == len(set(servers)), (variable, servers)
