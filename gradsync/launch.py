@@ -35,6 +35,7 @@ from gradsync.errors import JobFailed, UserError
 from gradsync.files import atomic_write_text
 from gradsync.heartbeat import ENV_FD, LastBeat
 from gradsync.netem import EmulatedHosts, parse_rate, place_ranks
+from gradsync.signals import signals_deferred
 from gradsync.strategies import world_size_of
 from gradsync.topology import DEFAULT_PORT, default_threads
 
@@ -225,11 +226,13 @@ def launch_local(
             finally:
                 _terminate(ranks)  # before the namespaces go
     finally:
-        _terminate(ranks)
-        if stdout is not None:
-            stdout.close()
-        config_path.unlink(missing_ok=True)
-        ranks_path.unlink(missing_ok=True)
+        try:
+            _terminate(ranks)
+        finally:  # also when a held signal or Ctrl-C ends the terminating
+            if stdout is not None:
+                stdout.close()
+            config_path.unlink(missing_ok=True)
+            ranks_path.unlink(missing_ok=True)
 
 
 def _decide_device(config: TrainConfig) -> TrainConfig:
@@ -468,6 +471,14 @@ def _failure(rank: RankProcess, victims: list[RankProcess] | None = None) -> Exc
 
 
 def _terminate(ranks: list[RankProcess]) -> None:
+    """Stop every rank still running (SIGTERM, SIGKILL after a grace period). A SIGTERM
+    or SIGHUP that arrives meanwhile is held until every rank is gone, so an impatient
+    second signal cannot leave ranks running."""
+    with signals_deferred():
+        _stop_ranks(ranks)
+
+
+def _stop_ranks(ranks: list[RankProcess]) -> None:
     alive = [r for r in ranks if r.popen.poll() is None]
     for rank in alive:
         with contextlib.suppress(ProcessLookupError):

@@ -28,7 +28,7 @@ from gradsync.config import OptimConfig, TrainConfig
 from gradsync.errors import UserError
 from gradsync.heartbeat import LastBeat
 from gradsync.jobs import inputs_of, validate
-from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank
+from gradsync.launch import RankProcess, _blame_order, _failure, _silent_rank, _terminate
 from gradsync.resume import check_resume, checkpoint_step, meta_differences, resumable
 from gradsync.rundir import claim_output_file, claim_run_dir
 from gradsync.runtime import CHECKPOINT_FILE
@@ -291,6 +291,36 @@ def test_a_failed_deferred_block_keeps_its_error_and_leaves_no_signal_pending() 
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+_SIGNALS_PARENT_ON_SIGTERM = """
+import os, signal, sys, time
+def stop(*_):
+    os.kill(os.getppid(), signal.SIGTERM)  # an impatient second SIGTERM reaches the launcher
+    time.sleep(0.5)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_sigterm_while_ranks_are_stopped_waits_until_they_are_gone() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SIGNALS_PARENT_ON_SIGTERM], stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    previous = {s: signal.getsignal(s) for s in HANDLED}
+    stop_on_signals()
+    try:
+        with pytest.raises(Stopped):
+            _terminate([RankProcess(0, child)])
+        assert child.poll() == 0  # stopped and reaped before the signal was raised
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        child.kill()
+        child.wait()
 
 
 def test_the_step_of_a_checkpoint_is_read_from_its_header_alone(tmp_path: Path) -> None:
