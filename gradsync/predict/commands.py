@@ -27,6 +27,19 @@ DEFAULT_STRATEGIES = "ddp,allreduce,ps,hybrid,p3"
 DEFAULT_WORKERS = "1,2,4,8,16,32,64"
 DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit"
 EXIT_OK = 0
+# predict's flags that an --experiment key may set. Their parser default is None, so that a
+# flag typed on the command line (even with its default value) is told from one left out;
+# the values below fill what neither the command line nor the file gave.
+PREDICT_DEFAULTS: dict[str, Any] = {
+    "strategies": DEFAULT_STRATEGIES,
+    "workers": DEFAULT_WORKERS,
+    "bandwidth": DEFAULT_BANDWIDTHS,
+    "latency": "25us",
+    "queue": "0",
+    "ranks_per_host": 1,
+    "colocate": False,
+    "compute_speedup": 1.0,
+}
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -94,25 +107,25 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     predict.add_argument("--profile", metavar="PROFILE.json", help="from `gradsync profile`")
     predict.add_argument(
         "--strategies",
-        default=DEFAULT_STRATEGIES,
         help="comma-separated, options after colons as in verify, e.g. "
-        "allreduce:fusion_threshold_mb=16,ps:servers=2,p3:slice_size=10000",
+        f"allreduce:fusion_threshold_mb=16,ps:servers=2,p3:slice_size=10000 (default "
+        f"{DEFAULT_STRATEGIES})",
     )
-    predict.add_argument("--workers", default=DEFAULT_WORKERS, help="worker counts, e.g. 1,2,4")
+    predict.add_argument("--workers", help=f"worker counts, e.g. 1,2,4 (default {DEFAULT_WORKERS})")
     predict.add_argument(
-        "--bandwidth", default=DEFAULT_BANDWIDTHS, help="per-host link rates, e.g. 1gbit,25gbit"
+        "--bandwidth",
+        help=f"per-host link rates, e.g. 1gbit,25gbit (default {DEFAULT_BANDWIDTHS})",
     )
     predict.add_argument(
-        "--latency", default="25us", help="one-way latency per message (default 25us; 0 for none)"
+        "--latency", help="one-way latency per message, e.g. 25us, 1ms (default 25us; 0 for none)"
     )
     predict.add_argument(
         "--queue",
-        default="0",
         help="how long a small message waits behind bulk data on a saturated link: the "
         "link's queue (default 0: shallow switch buffers; gradsync's emulated hosts: 50ms)",
     )
     predict.add_argument(
-        "--ranks-per-host", type=_positive, default=1, help="workers sharing one host link"
+        "--ranks-per-host", type=_positive, help="workers sharing one host link (default 1)"
     )
     predict.add_argument(
         "--intra-bandwidth", help="rate between ranks of one host (default: the link's)"
@@ -121,7 +134,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--servers", type=_positive, help="server ranks for ps, hybrid and p3 (default 1)"
     )
     predict.add_argument(
-        "--colocate", action="store_true", help="ps and hybrid: every worker serves a shard"
+        "--colocate",
+        action="store_true",
+        default=None,
+        help="ps and hybrid: every worker serves a shard",
     )
     predict.add_argument(
         "--calibrate",
@@ -142,10 +158,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     predict.add_argument(
         "--compute-speedup",
         type=float,
-        default=1.0,
         metavar="X",
         help="model workers X times faster than the profiled device (e.g. a GPU from a CPU "
-        "profile): compute, optimizer and copies; server work stays as measured",
+        "profile): compute, optimizer and copies; server work stays as measured (default 1)",
     )
     predict.add_argument(
         "--batchnorm",
@@ -176,8 +191,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="replace the results already in --out (only a folder of gradsync's outputs); "
         "--validate without it goes on with the cells an earlier run measured there",
     )
-    # An --experiment key fills only a flag left at its default (a flag given wins).
-    predict.set_defaults(flag_defaults={action.dest: action.default for action in predict._actions})
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Give every flag of :data:`PREDICT_DEFAULTS` left unset (None) its default."""
+    for key, value in PREDICT_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
 
 
 def _strategy_specs(args: argparse.Namespace) -> list[str]:
@@ -366,9 +386,11 @@ def _run_experiment(args: argparse.Namespace) -> int:
     profiles = keys.text_table("profiles", example='{ vgg16 = "profiles/vgg16.json" }')
     if not profiles:
         raise UserError(f'{path}: needs a [profiles] table, e.g. vgg16 = "profiles/vgg16.json"')
-    defaults = args.flag_defaults
-    given = {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    # A flag typed on the command line wins over the file's key, even at its default value:
+    # an unset flag is None until _fill_defaults.
+    given = {key for key, value in vars(args).items() if value is not None}
     vars(args).update({k: v for k, v in _experiment_options(keys).items() if k not in given})
+    _fill_defaults(args)
     preset = keys.text("preset", "default", example='"tiny"')
     batch = keys.count("batch", None)
     out = Path(args.out or keys.text("out", f"results/{path.stem}", example='"results/x"'))
@@ -456,6 +478,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return _validate(args)
     if args.experiment:
         return _run_experiment(args)
+    _fill_defaults(args)
     from gradsync.predict.profile import Profile
     from gradsync.rundir import claim_run_dir
 
