@@ -256,6 +256,21 @@ class TrainConfig:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
+    def shared_settings(self) -> dict[str, Any]:
+        """What every rank of one job must be started with: everything but where this node
+        writes (``out``, the trace's path) and how it launches (threads, timeouts, ports).
+
+        Example:
+            >>> a, b = TrainConfig(seed=3, out="a"), TrainConfig(seed=3, out="b")
+            >>> a.shared_settings() == b.shared_settings(), "out" in a.shared_settings()
+            (True, False)
+        """
+        settings = json.loads(self.to_json())
+        for key in ("out", "launch", "log_every"):
+            del settings[key]
+        settings["timeline"] = self.timeline is not None
+        return settings
+
     @classmethod
     def from_json(cls, text: str) -> TrainConfig:
         raw = json.loads(text)

@@ -8,6 +8,10 @@ store. So a cluster user meets these as one clear line instead of a hang or a tr
 
 - a master address that does not resolve;
 - ranks started with different world sizes (two launches that do not match);
+- ranks of two jobs that met at one address (two Slurm steps, two ``mpirun`` jobs on one
+  port): the launchers' job identities differ;
+- ranks started with different options (``--seed 3`` on one node, ``--seed 4`` on the
+  other): the first option that differs is named;
 - a node with another gradsync or torch version (the node is named);
 - ranks that never arrive (the missing ranks are named);
 - ``--device cuda`` where a rank has no GPU, or two ranks of a host share one (NCCL refuses
@@ -23,8 +27,9 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,15 +56,30 @@ class RankInfo:
     wants: str = "cpu"  # --device as the rank was started: auto, cpu or cuda
     device: str = "cpu"  # what it can train on: "cuda" with a GPU of its own, else "cpu"
     gpu: str = ""  # that GPU's UUID
+    job: str = ""  # the launcher's identity of the launch (RankEnv.job), "" where it has none
+    settings: dict[str, Any] = field(default_factory=dict)  # what every rank must share
 
     @classmethod
     def here(
-        cls, env: RankEnv, *, wants: str = "cpu", device: str = "cpu", gpu: str = ""
+        cls,
+        env: RankEnv,
+        *,
+        wants: str = "cpu",
+        device: str = "cpu",
+        gpu: str = "",
+        settings: dict[str, Any] | None = None,
     ) -> RankInfo:
         """This process's entry (the emulated host's name where there is one)."""
         host = os.environ.get("GRADSYNC_EMULATED_HOST") or socket.gethostname()
         return cls(
-            rank=env.rank, world_size=env.world_size, host=host, wants=wants, device=device, gpu=gpu
+            rank=env.rank,
+            world_size=env.world_size,
+            host=host,
+            wants=wants,
+            device=device,
+            gpu=gpu,
+            job=env.job,
+            settings=settings or {},
         )
 
 
@@ -95,6 +115,12 @@ def disagreement(infos: Sequence[RankInfo]) -> str | None:
     for info in infos[1:]:
         if info.world_size != first.world_size:
             return _world_size_message(first, info)
+        if info.job != first.job:
+            return (
+                f"rank {info.rank} on {info.host} belongs to {info.job or 'another launch'} but "
+                f"rank 0 on {first.host} to {first.job or 'another launch'}: two jobs met at one "
+                "rendezvous address; give each job its own --master-port (or MASTER_PORT)"
+            )
         for package in ("gradsync", "torch"):
             theirs, ours = getattr(info, package), getattr(first, package)
             if theirs != ours:
@@ -102,6 +128,32 @@ def disagreement(infos: Sequence[RankInfo]) -> str | None:
                     f"node {info.host} (rank {info.rank}) runs {package} {theirs} but rank 0 on "
                     f"{first.host} runs {package} {ours}; install the same {package} on every node"
                 )
+        if differs := first_difference(first.settings, info.settings):
+            key, ours, theirs = differs
+            return (
+                f"rank {info.rank} on {info.host} was started with {key} {theirs}, rank 0 on "
+                f"{first.host} with {ours}; start every rank with the same options"
+            )
+    return None
+
+
+def first_difference(
+    ours: dict[str, Any], theirs: dict[str, Any], prefix: str = ""
+) -> tuple[str, Any, Any] | None:
+    """The first key (dotted, sorted) whose value differs between two settings, with both
+    values; None when they are equal.
+
+    Example:
+        >>> first_difference({"seed": 3, "optim": {"lr": 0.1}}, {"seed": 3, "optim": {"lr": 1}})
+        ('optim.lr', 0.1, 1)
+    """
+    for key in sorted(ours.keys() | theirs.keys()):
+        mine, other = ours.get(key), theirs.get(key)
+        if isinstance(mine, dict) and isinstance(other, dict):
+            if found := first_difference(mine, other, f"{prefix}{key}."):
+                return found
+        elif mine != other:
+            return f"{prefix}{key}", mine, other
     return None
 
 
@@ -294,19 +346,30 @@ def _verdict(store: dist.Store, first: RankInfo, timeout: timedelta) -> dict[str
         store.wait(keys, timeout)
     except RuntimeError:
         missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
-        return {
-            "error": f"rank(s) {', '.join(missing)} of {first.world_size} did not reach the "
+        error = (
+            f"rank(s) {', '.join(missing)} of {first.world_size} did not reach the "
             f"rendezvous within {timeout.total_seconds():g} s; start every rank (or pass "
-            "--timeout with more seconds)",
-            "leader": asdict(first),
-            "device": "cpu",
-        }
+            "--timeout with more seconds)"
+        )
+        if beyond := _rank_beyond(store, first.world_size):  # a launch with a larger world
+            error = _world_size_message(first, beyond)
+        return {"error": error, "leader": asdict(first), "device": "cpu"}
     infos = [RankInfo(**json.loads(store.get(key))) for key in keys]
     device, error = agreed_device(infos)
     note = gpu_fallback_note(infos)
     if note:
         print(note, file=sys.stderr, flush=True)
     return {"error": disagreement(infos) or error, "leader": asdict(first), "device": device}
+
+
+def _rank_beyond(store: dist.Store, world_size: int) -> RankInfo | None:
+    """The entry of a rank outside rank 0's world that came to its store, if any (ranks
+    started with a larger world size: their ranks 0..n-1 may never come)."""
+    for rank in range(world_size, 4 * world_size + 8):
+        key = f"{KEY_PREFIX}/rank{rank}"
+        if store.check([key]):
+            return RankInfo(**json.loads(store.get(key)))
+    return None
 
 
 def _get(store: dist.Store, key: str, env: RankEnv, timeout: timedelta) -> bytes:
@@ -326,6 +389,7 @@ __all__ = [
     "check_resolves",
     "disagreement",
     "finish_process",
+    "first_difference",
     "join_process_group",
     "rendezvous",
 ]

@@ -69,7 +69,11 @@ def run_rank(config: TrainConfig, env: RankEnv) -> None:
         beat("rendezvous")  # the rendezvous has its own timeout, naming missing ranks
         # The ranks check that they belong together (world size, versions, a GPU each).
         info = RankInfo.here(
-            env, wants=config.launch.device, device=device.type, gpu=_gpu_id(device)
+            env,
+            wants=config.launch.device,
+            device=device.type,
+            gpu=_gpu_id(device),
+            settings=config.shared_settings(),
         )
         timeout = timedelta(seconds=config.launch.timeout_s)
         if join_process_group(env, timeout, info=info) == "cpu":

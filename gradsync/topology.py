@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class RankEnv:
     master_addr: str
     master_port: int
     group_rank: int | None = None  # the node's index where the launcher says (GROUP_RANK)
+    job: str = ""  # the launch as the launcher names it (Slurm step, MPI job), "" if unnamed
 
     @property
     def node_rank(self) -> int:
@@ -68,19 +70,50 @@ def detect_environment(
 
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
-    if key not in env and default is not None:
-        return default
+    if key not in env:
+        if default is not None:
+            return default
+        raise UserError(
+            f"environment variable {key} is not set, but the launcher set the others of its "
+            "kind; start gradsync with the launcher itself (torchrun, srun or mpirun)"
+        )
     try:
         return int(env[key])
     except ValueError:
         raise UserError(f"environment variable {key}={env[key]!r} is not an integer") from None
 
 
+def _checked(found: RankEnv, rank_key: str, size_key: str) -> RankEnv:
+    """``found``, or a UserError naming the launcher's variables when its rank is outside
+    its world (two launches mixed, or variables set by hand).
+
+    Example:
+        >>> env = RankEnv(launcher="slurm", rank=2, world_size=2, local_rank=0,
+        ...               local_world_size=1, master_addr="h", master_port=1)
+        >>> _checked(env, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: SLURM_PROCID=2 is not below SLURM_STEP_NUM_TASKS=2: ...
+    """
+    if found.world_size < 1 or not 0 <= found.rank < found.world_size:
+        raise UserError(
+            f"{rank_key}={found.rank} is not below {size_key}={found.world_size}: this "
+            "process's rank lies outside its world; start the ranks with one launch"
+        )
+    if not 0 <= found.local_rank < found.local_world_size:
+        raise UserError(
+            f"local rank {found.local_rank} is outside the {found.local_world_size} ranks "
+            f"of this node ({found.launcher}'s variables); start the ranks with one launch"
+        )
+    return found
+
+
 def _from_torchrun(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
     if not {"RANK", "WORLD_SIZE"} <= env.keys():
         return None
     world_size = _int(env, "WORLD_SIZE")
-    return RankEnv(
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    found = RankEnv(
         launcher=env.get("GRADSYNC_LAUNCHER", "torchrun"),
         rank=_int(env, "RANK"),
         world_size=world_size,
@@ -89,7 +122,9 @@ def _from_torchrun(env: Mapping[str, str], addr: str | None, port: int | None) -
         master_addr=addr or env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT),
         group_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else None,
+        job="" if run_id == "none" else f"torchrun run {run_id}",
     )
+    return _checked(found, "RANK", "WORLD_SIZE")
 
 
 def _from_slurm(env: Mapping[str, str], addr: str | None, port: int | None) -> RankEnv | None:
@@ -99,20 +134,34 @@ def _from_slurm(env: Mapping[str, str], addr: str | None, port: int | None) -> R
     world_size = _int(env, "SLURM_STEP_NUM_TASKS")
     tasks_per_node = parse_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world_size)))
     node_list = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
-    job_id = _int(env, "SLURM_JOB_ID", 0)
+    step = f"{_int(env, 'SLURM_JOB_ID', 0)}.{_int(env, 'SLURM_STEP_ID', 0)}"
     node_id = _int(env, "SLURM_NODEID", 0)
-    return RankEnv(
+    found = RankEnv(
         launcher="slurm",
         rank=_int(env, "SLURM_PROCID"),
         world_size=world_size,
         local_rank=_int(env, "SLURM_LOCALID", 0),
         local_world_size=tasks_per_node[min(node_id, len(tasks_per_node) - 1)],
         master_addr=addr or env.get("MASTER_ADDR") or expand_nodelist(node_list)[0],
-        # Every task must agree on the port without talking: derive it from the job id.
-        master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT + job_id % 1000),
+        # Every task must agree on the port without talking: derive it from the job step,
+        # so two steps of one job running at once (srun ... &) meet apart.
+        master_port=port or _int(env, "MASTER_PORT", slurm_port(step)),
         # Nodes may hold different numbers of tasks ("3,2"): the node index is Slurm's.
         group_rank=node_id if "SLURM_NODEID" in env else None,
+        job=f"Slurm step {step}",
     )
+    return _checked(found, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+
+
+def slurm_port(step: str) -> int:
+    """The rendezvous port of Slurm job step ``step`` ("JOB.STEP"): one of 1000 after
+    :data:`DEFAULT_PORT`, spread by a hash so that neighbouring jobs and steps differ.
+
+    Example:
+        >>> slurm_port("7.0") != slurm_port("7.1"), 29500 <= slurm_port("7.0") < 30500
+        (True, True)
+    """
+    return DEFAULT_PORT + zlib.crc32(step.encode()) % 1000
 
 
 def check_slurm_step(env: Mapping[str, str] | None = None) -> None:
@@ -179,7 +228,8 @@ def _mpi_env(
                 "host: pass --master-addr HOST (or export MASTER_ADDR)"
             )
         master_addr = "127.0.0.1"
-    return RankEnv(
+    job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid") or ""
+    found = RankEnv(
         launcher="mpirun",
         rank=_int(env, rank_key),
         world_size=world_size,
@@ -187,7 +237,9 @@ def _mpi_env(
         local_world_size=local_world_size,
         master_addr=master_addr,
         master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT),
+        job=f"MPI job {job}" if job else "",
     )
+    return _checked(found, rank_key, size_key)
 
 
 def parse_tasks_per_node(text: str) -> list[int]:

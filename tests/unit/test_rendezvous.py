@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 
 from gradsync import rendezvous
+from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.launch import free_port
 from gradsync.rendezvous import (
@@ -172,3 +173,30 @@ def test_the_rendezvous_tells_every_rank_the_device() -> None:
     for thread in threads:
         thread.join(timeout=2 * TIMEOUT.total_seconds())
     assert devices == ["cpu", "cpu"]
+
+
+def test_ranks_of_two_jobs_at_one_address_are_refused() -> None:
+    first = RankInfo(rank=0, world_size=2, host="n0", job="Slurm step 7.0")
+    intruder = RankInfo(rank=1, world_size=2, host="n0", job="Slurm step 7.1")
+    outcomes = _meet([first, intruder])
+    expected = "rank 1 on n0 belongs to Slurm step 7.1 but rank 0 on n0 to Slurm step 7.0"
+    assert all(expected in text for text in outcomes), outcomes
+
+
+def test_a_rank_started_with_other_options_is_named() -> None:
+    settings = TrainConfig(seed=3).shared_settings()
+    other = {**settings, "seed": 4}
+    first = RankInfo(rank=0, world_size=2, host="n0", settings=settings)
+    outcomes = _meet([first, RankInfo(rank=1, world_size=2, host="n1", settings=other)])
+    expected = "rank 1 on n1 was started with seed 4, rank 0 on n0 with 3"
+    assert all(expected in text for text in outcomes), outcomes
+    # Where each node writes is its own affair.
+    elsewhere = TrainConfig(seed=3, out="node1").shared_settings()
+    same = RankInfo(rank=1, world_size=2, host="n1", settings=elsewhere)
+    assert _meet([first, same]) == ["ok", "ok"]
+
+
+def test_a_larger_world_whose_low_ranks_never_come_is_named() -> None:
+    # Node 0 started with 2 ranks (rank 0 only here), node 1 with 4 (ranks 2 and 3).
+    (outcome, *_) = _meet([_info(0, 2), _info(2, 4), _info(3, 4)], timeout=timedelta(seconds=1))
+    assert "rank 0 on n0 was started with 2 ranks, rank 2 on n2 with 4" in outcome

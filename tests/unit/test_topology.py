@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from gradsync.topology import (
     detect_environment,
     expand_nodelist,
     parse_tasks_per_node,
+    slurm_port,
 )
 
 TORCHRUN = {
@@ -82,14 +85,18 @@ def test_gradsync_launcher_names_itself():
 
 def test_slurm_step():
     env = detect_environment(SLURM)
-    # 123456 % 1000 = 456: every task derives the same port from the job id.
-    assert _fields(env) == ("slurm", 3, 4, 1, 2, "node07", DEFAULT_PORT + 456)
+    # Every task derives the same port from the job step (no SLURM_STEP_ID: step 0).
+    assert _fields(env) == ("slurm", 3, 4, 1, 2, "node07", slurm_port("123456.0"))
     assert (env.node_rank, env.num_nodes) == (1, 2)
+    assert env.job == "Slurm step 123456.0"
 
 
 def test_slurm_port_differs_between_jobs_and_master_env_wins():
-    other = detect_environment({**SLURM, "SLURM_JOB_ID": "123457"})
-    assert other.master_port == DEFAULT_PORT + 457
+    ports = {
+        detect_environment({**SLURM, "SLURM_JOB_ID": job, "SLURM_STEP_ID": step}).master_port
+        for job, step in [("123456", "0"), ("123457", "0"), ("123456", "1")]
+    }
+    assert len(ports) == 3  # two jobs, and two steps of one job running at once
     env = detect_environment({**SLURM, "MASTER_ADDR": "login2", "MASTER_PORT": "40000"})
     assert (env.master_addr, env.master_port) == ("login2", 40000)
 
@@ -294,3 +301,18 @@ def test_expand_nodelist_inverts_slurms_compression(groups):
 def test_default_threads_divides_cores_over_local_ranks(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert [default_threads(n) for n in (1, 2, 3, 8, 16, 0)] == [8, 4, 2, 1, 1, 8]
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({**SLURM, "SLURM_PROCID": "4"}, "SLURM_PROCID=4 is not below SLURM_STEP_NUM_TASKS=4"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 is not below WORLD_SIZE=2"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 is not below WORLD_SIZE=0"),
+        ({**OPEN_MPI, "OMPI_COMM_WORLD_RANK": "8"}, "OMPI_COMM_WORLD_RANK=8 is not below"),
+        ({"PMI_RANK": "0"}, "environment variable PMI_SIZE is not set"),
+    ],
+)
+def test_a_rank_outside_its_world_is_one_line(variables: dict[str, str], named: str) -> None:
+    with pytest.raises(UserError, match=re.escape(named)):
+        detect_environment(variables)
