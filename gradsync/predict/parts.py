@@ -16,6 +16,9 @@ from gradsync.predict.network import Cluster
 from gradsync.predict.profile import Profile
 
 COMPUTE_TRACK, COMM_TRACK, SERVER_TRACK = "compute", "communication", "server 0"
+# Compute-track spans of the worker's own work besides forward and backward (buffer copies,
+# its optimizer step): compute, not time waiting for communication.
+WORKER_WORK = ("MEMCPY_", "OPTIMIZER_STEP")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ __all__ = [
     "COMM_TRACK",
     "COMPUTE_TRACK",
     "SERVER_TRACK",
+    "WORKER_WORK",
     "Pipe",
     "Span",
     "densified",

@@ -58,6 +58,7 @@ from gradsync.predict.parts import (
     COMM_TRACK,
     COMPUTE_TRACK,
     SERVER_TRACK,
+    WORKER_WORK,
     Pipe,
     Span,
     densified,
@@ -106,8 +107,26 @@ class StepPrediction:
         return self.workers * self.batch / self.step_s
 
     @property
+    def worker_work_s(self) -> float:
+        """The worker's own work besides forward and backward: its copies into and out of
+        communication buffers and its optimizer step (compute, not communication)."""
+        return sum(
+            span.duration
+            for span in self.spans
+            if span.track == COMPUTE_TRACK and span.name.startswith(WORKER_WORK)
+        )
+
+    @property
     def exposed_comm_s(self) -> float:
-        return max(0.0, self.step_s - self.compute_s)
+        """What the step waits for communication beyond its compute: the step less forward,
+        backward (:attr:`compute_s`) and :attr:`worker_work_s`. As Horovod's timeline
+        counts it, the optimizer step and buffer copies are compute; backward stalled
+        behind a bucket and CPU time lost to communication on shared cores are not.
+
+        Example:
+            >>> # with one worker nothing is sent: predict_step(...).exposed_comm_s == 0.0
+        """
+        return max(0.0, self.step_s - self.compute_s - self.worker_work_s)
 
 
 def predict_step(
@@ -361,6 +380,10 @@ def _bucketed_allreduce(
         ready = backward_start + max(v.grad_ready_s for v in members) + shift
         launch = max(ready, last_launch)
         fill = num_bytes * profile.copy_s_per_byte  # MEMCPY_IN_FUSION_BUFFER, backward thread
+        if fill > 0:  # within backward, which it lengthens
+            spans.append(
+                Span(COMPUTE_TRACK, f"MEMCPY_IN_FUSION_BUFFER bucket{number}", launch, fill)
+            )
         shift += fill
         start = max(launch + fill, comm_free)
         duration = cluster.ring_allreduce_s(num_bytes)
@@ -609,7 +632,11 @@ def _simulate_sync_ps(
         sorted(chunks, key=lambda c: (c.ready_s, c.server)), lambda c: c.ready_s
     ):
         together = list(group)
-        shift += sum(c.num_bytes for c in together) * profile.copy_s_per_byte  # into buffers
+        fill = sum(c.num_bytes for c in together) * profile.copy_s_per_byte  # into buffers
+        if fill > 0:  # on the backward thread, within backward, which it lengthens
+            copied = backward_start + together[0].ready_s + shift
+            spans.append(Span(COMPUTE_TRACK, "MEMCPY_IN_PUSH_BUFFER", copied, fill))
+        shift += fill
         leaves = backward_start + together[0].ready_s + shift
         starts += [(leaves, next(tie), "PUSH", c) for c in together]
     heapq.heapify(starts)

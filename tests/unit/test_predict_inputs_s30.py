@@ -3,13 +3,18 @@ column, servers and colocate, the recommendation, and input checks (one line, ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from gradsync.cli import main
-from tests.unit.test_predict import profile_of, variable
+from gradsync.predict.network import Cluster, Network
+from gradsync.predict.simulate import StrategyChoice, predict_step
+from gradsync.strategies.allreduce import AllreduceOptions
+from gradsync.strategies.ps import PSOptions
+from tests.unit.test_predict import ALLREDUCE, profile_of, variable
 from tests.unit.test_predict_bad_inputs import experiment_file, refused  # noqa: F401
 
 
@@ -43,3 +48,36 @@ def test_an_experiment_key_fills_a_flag_left_out(
     path = experiment_file(tmp_path, profile_file, 'latency = "1ms"')
     assert main(["predict", "--experiment", str(path), "--no-recommend"]) == 0
     assert settings_of(tmp_path / "exp" / "hand")["latency_s"] == pytest.approx(1e-3)
+
+
+# -- 5. exposed communication leaves out the worker's optimizer and copies ----------------
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        StrategyChoice("allreduce", AllreduceOptions(fusion_threshold_mb=64)),
+        StrategyChoice("ps", PSOptions(colocate=True)),  # its one server in its process
+    ],
+)
+def test_one_worker_exposes_no_communication_however_long_its_optimizer(
+    choice: StrategyChoice,
+) -> None:
+    """With 1 worker the step is compute + copies + optimizer: "exposed" was step - compute,
+    so it showed the optimizer's 6% as communication."""
+    costs = {"optimizer_s_per_byte": 1e-7, "copy_s_per_byte": 1e-8}
+    profile = dataclasses.replace(profile_of([variable("a", 250_000, 2.0)]), **costs)
+    step = predict_step(profile, Cluster(workers=1, network=Network(bandwidth=1e6)), choice)
+    assert step.step_s > profile.compute_s
+    assert step.exposed_comm_s == pytest.approx(0.0)
+
+
+def test_exposed_communication_is_the_wait_beyond_compute_and_optimizer() -> None:
+    profile = dataclasses.replace(
+        profile_of([variable("a", 250_000, 2.0)]), optimizer_s_per_byte=1e-7
+    )
+    network = Network(bandwidth=1e6)
+    step = predict_step(profile, Cluster(workers=2, network=network), ALLREDUCE)
+    ring = 2 * (2 - 1) / 2 * (250_000 + 1) * 4 / 1e6
+    assert step.step_s == pytest.approx(3.0 + ring + 0.1)
+    assert step.exposed_comm_s == pytest.approx(ring)
