@@ -16,7 +16,7 @@ from typing import Any
 from gradsync.bench.analysis import Row, analyse
 from gradsync.bench.equal import Swept, setting
 from gradsync.bench.experiment import Experiment, PublishedGain, load_experiment
-from gradsync.bench.sweep import experiment_results
+from gradsync.bench.sweep import experiment_results, stale_cells
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_text
 from gradsync.tables import markdown_table
@@ -57,6 +57,8 @@ def write_report(out: Path) -> Path:
         lines += [experiment.description, ""]
     lines += _environment(records)
     lines += [held_equal(experiment), ""]
+    if stale := stale_cells(out, experiment):
+        lines += [stale_note(stale), ""]
     swept = Swept.of(experiment)
     for model in experiment.models:
         mine = [row for row in rows if row.cell.model == model]
@@ -86,6 +88,21 @@ def write_report(out: Path) -> Path:
     report = out / REPORT_FILE
     atomic_write_text(report, "\n".join(lines) + "\n")
     return report
+
+
+def stale_note(stale: list[str]) -> str:
+    """Which cells the report leaves out because their only records are of other settings.
+
+    Example:
+        >>> stale_note(["measure-a", "measure-b"])[:52]
+        'Left out: 2 cell(s) recorded only at other settings '
+    """
+    shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+    return (
+        f"Left out: {len(stale)} cell(s) recorded only at other settings than this "
+        f"experiment file's (an earlier version of it): {shown}. Run `gradsync bench` on "
+        "the experiment again to measure them at the current settings."
+    )
 
 
 def held_equal(experiment: Experiment) -> str:

@@ -129,8 +129,8 @@ def changed_settings(
     return changes
 
 
-def load_results(out: Path) -> list[dict[str, Any]]:
-    """Every recorded cell (the last record wins when a cell was retried).
+def load_records(out: Path) -> list[dict[str, Any]]:
+    """Every complete record in ``out``'s results, in the order they were written.
 
     A line that is not a JSON record (cut short when a sweep was killed) is skipped with a
     warning on stderr; the cell it belonged to counts as not run.
@@ -138,37 +138,87 @@ def load_results(out: Path) -> list[dict[str, Any]]:
     path = out / RESULTS_FILE
     if not path.exists():
         return []
-    records: dict[str, dict[str, Any]] = {}
+    records = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            records[record["id"]] = record
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or "id" not in record:
             print(
                 f"gradsync: warning: {path} line {number} is not a complete record "
                 f"({line[:40]!r}…); skipped, its cell counts as not run",
                 file=sys.stderr,
             )
-    return list(records.values())
+            continue
+        records.append(record)
+    return records
+
+
+def load_results(out: Path) -> list[dict[str, Any]]:
+    """Every recorded cell, whatever its settings (the last record wins when a cell was
+    retried); see :func:`experiment_results` for the records of the current settings."""
+    return list({record["id"]: record for record in load_records(out)}.values())
+
+
+# Settings a record carries that the bench command or the machine decides, not the
+# experiment file: the device the launcher resolved, whether a timeline was recorded.
+NOT_OF_THE_EXPERIMENT = (("launch", "device"), ("timeline",))
+
+
+def experiment_fingerprint(settings: dict[str, Any]) -> str:
+    """The fingerprint of the settings an experiment file decides: ``settings`` without
+    the device and the timeline switch, which ``gradsync report`` cannot know.
+
+    Example:
+        >>> a = {"steps": 3, "timeline": True, "launch": {"device": "cpu", "threads": 1}}
+        >>> b = {"steps": 3, "timeline": False, "launch": {"device": "cuda", "threads": 1}}
+        >>> experiment_fingerprint(a) == experiment_fingerprint(b)
+        True
+    """
+    kept = json.loads(json.dumps(settings))  # a deep copy
+    for *sections, key in NOT_OF_THE_EXPERIMENT:
+        section = kept
+        for name in sections:
+            section = section.get(name, {})
+        section.pop(key, None)
+    return fingerprint(kept)
+
+
+def _by_cell(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each cell's records, in the order they were written."""
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_cell.setdefault(record["id"], []).append(record)
+    return by_cell
+
+
+def _latest_of(
+    records: list[dict[str, Any]], accept: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any] | None:
+    """The last of ``records`` that ``accept`` takes, or None."""
+    return next((record for record in reversed(records) if accept(record)), None)
 
 
 def _cells_to_run(
     cells: list[Cell], configs: dict[str, TrainConfig], out: Path
 ) -> tuple[list[Cell], int]:
     """The cells without an ``ok`` record of the same settings; say why each reruns."""
-    recorded = {r["id"]: r for r in load_results(out) if r["status"] == "ok"}
+    by_cell = _by_cell(load_records(out))
     todo, done = [], 0
     for cell in cells:
         settings = cell_settings(configs[cell.id])
-        record = recorded.get(cell.id)
-        if record is not None and record.get("fingerprint") == fingerprint(settings):
+        mine, wanted = by_cell.get(cell.id, []), fingerprint(settings)
+        same = _latest_of(mine, lambda r, f=wanted: r.get("fingerprint") == f)
+        if same is not None and same.get("status") == "ok":
             done += 1
             continue
-        if record is not None:
-            changes = changed_settings(record.get("settings", {}), settings)
-            reason = "; ".join(changes[:4]) if record.get("settings") else "no settings recorded"
+        last = _latest_of(mine, lambda r: r.get("status") == "ok")
+        if same is None and last is not None:
+            changes = changed_settings(last.get("settings", {}), settings)
+            reason = "; ".join(changes[:4]) if last.get("settings") else "no settings recorded"
             print(f"cell {cell.id}: runs again, its settings changed ({reason})", flush=True)
         todo.append(cell)
     return todo, done
@@ -231,11 +281,45 @@ def run_sweep(
 
 
 def experiment_results(out: Path, experiment: Experiment) -> list[dict[str, Any]]:
-    """The records in ``out`` of ``experiment``'s cells: a cell an earlier version of the
-    experiment had, and this one does not, stays in ``results.jsonl`` but out of its report.
+    """The records in ``out`` of ``experiment``'s cells at its current settings, the last
+    one of each cell. A cell an earlier version of the experiment had, and this one does
+    not, or a record of other settings (``steps = 4`` before ``steps = 12``), stays in
+    ``results.jsonl`` but out of the report. A record without settings (written before
+    gradsync recorded them) cannot be judged and is kept.
+
+    Example:
+        >>> # experiment_results(Path("results/scaling"), load_experiment(path))
     """
-    cells = {cell.id for cell in experiment.cells()}
-    return [record for record in load_results(out) if record["id"] in cells]
+    by_cell = _by_cell(load_records(out))
+    current = []
+    for cell in experiment.cells():
+        wanted = _experiment_fingerprint_of(experiment, cell, out)
+        record = _latest_of(by_cell.get(cell.id, []), lambda r, f=wanted: _of_settings(r, f))
+        if record is not None:
+            current.append(record)
+    return current
+
+
+def stale_cells(out: Path, experiment: Experiment) -> list[str]:
+    """The ids of ``experiment``'s cells recorded in ``out`` only at other settings than
+    the current ones: left out of the report until ``gradsync bench`` runs them again.
+
+    Example:
+        >>> # stale_cells(Path("results/scaling"), load_experiment(path))  # ['measure-…-r0']
+    """
+    kept = {record["id"] for record in experiment_results(out, experiment)}
+    recorded = {record["id"] for record in load_records(out)}
+    return [cell.id for cell in experiment.cells() if cell.id in recorded - kept]
+
+
+def _experiment_fingerprint_of(experiment: Experiment, cell: Cell, out: Path) -> str:
+    return experiment_fingerprint(cell_settings(cell_config(experiment, cell, out)))
+
+
+def _of_settings(record: dict[str, Any], wanted: str) -> bool:
+    """Whether ``record`` was measured at the experiment settings fingerprinted ``wanted``."""
+    settings = record.get("settings")
+    return settings is None or experiment_fingerprint(settings) == wanted
 
 
 def claim_results_dir(out: Path, experiment: Experiment, *, overwrite: bool) -> None:
