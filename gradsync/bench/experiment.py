@@ -31,7 +31,7 @@ from gradsync.config import LR_SCALINGS, OPTIMIZERS
 from gradsync.errors import UserError
 from gradsync.models import check_model
 from gradsync.netem import parse_rate
-from gradsync.options import field_names, options_from_mapping
+from gradsync.options import StrategyOptions, field_names, options_from_mapping
 from gradsync.strategies import STRATEGIES, options_class
 from gradsync.toml_keys import TomlKeys, read_toml
 
@@ -341,6 +341,7 @@ def load_experiment(path: str | Path) -> Experiment:
         raise UserError(f"{where}: give global_batch or batch_per_worker, not both")
     experiment = Experiment(**values)
     _check_names(experiment, where)
+    _check_option_tables(raw, experiment.strategies, where)
     check_bounds(experiment, where)  # by arithmetic, before the matrix is built
     if not experiment.cells():
         raise UserError(
@@ -414,12 +415,57 @@ def _strategy_options(fixed: Any, sweep: Any, where: str) -> dict[str, dict[str,
                         f"{where}: sweep.{strategy}.{key} must be a non-empty list, got {value!r}"
                     )
                 candidates = value if lists else [value]
-                for candidate in candidates:  # each value must make valid options
-                    options_from_mapping(cls, {key: candidate}, where=f"{where}: {strategy}")
+                _check_sweep_values(cls, strategy, key, candidates, where)
                 if key in merged.get(strategy, {}):
                     raise UserError(f"{where}: {strategy}.{key} is both fixed and swept")
                 merged.setdefault(strategy, {})[key] = list(candidates)
     return merged
+
+
+def _check_sweep_values(
+    cls: type[StrategyOptions], strategy: str, key: str, values: list[Any], where: str
+) -> None:
+    """UserError for a value that makes invalid options, or one listed twice (as its
+    strategy reads it: ``4`` and ``4.0`` of a float option are the same value).
+
+    Example:
+        >>> cls = options_class("allreduce")
+        >>> _check_sweep_values(cls, "allreduce", "fusion_threshold_mb", [4, 4.0], "x.toml")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: x.toml: sweep.allreduce.fusion_threshold_mb lists 4.0 twice; ...
+    """
+    seen: list[Any] = []
+    for value in values:  # each value must make valid options
+        options = options_from_mapping(cls, {key: value}, where=f"{where}: {strategy}")
+        parsed = getattr(options, key)
+        if parsed in seen:
+            raise UserError(
+                f"{where}: sweep.{strategy}.{key} lists {parsed!r} twice; its cells would share "
+                "one folder and one result; list each value once (use repeats to run a cell "
+                "again)"
+            )
+        seen.append(parsed)
+
+
+def _check_option_tables(raw: dict[str, Any], strategies: list[str], where: str) -> None:
+    """UserError for an ``[options.S]`` or ``[sweep.S]`` table of a strategy S that is not
+    in ``strategies``: no cell would read it.
+
+    Example:
+        >>> _check_option_tables({"sweep": {"ps": {"servers": [1, 2]}}}, ["ddp"], "x.toml")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: x.toml: [sweep.ps] is for 'ps', which is not in strategies ...
+    """
+    for name in ("options", "sweep"):
+        for strategy in raw.get(name, {}):
+            if strategy not in strategies:
+                raise UserError(
+                    f"{where}: [{name}.{strategy}] is for '{strategy}', which is not in "
+                    f"strategies ({', '.join(strategies)}); add it to strategies or remove "
+                    "the table"
+                )
 
 
 def _model_options(value: Any, where: str) -> dict[str, dict[str, str]]:

@@ -152,6 +152,19 @@ BAD_FILES = {
     "verify a string": ('models = ["mnist-cnn"]\nverify = "yes"\n', "is not true or false"),
     "a folder": (None, "bench bad.toml is a folder"),
     "a value twice": ('models = ["mnist-cnn"]\nworkers = [2, 2]\n', "workers lists 2 twice"),
+    "a swept value twice": (  # probe 30b: 4 and 4.0 ran as two cells in one folder
+        'models = ["mnist-cnn"]\nstrategies = ["allreduce"]\n'
+        "[sweep.allreduce]\nfusion_threshold_mb = [4, 8, 4.0]\n",
+        "sweep.allreduce.fusion_threshold_mb lists 4.0 twice",
+    ),
+    "a sweep of a strategy not run": (  # probe 30b: silently ignored
+        'models = ["mnist-cnn"]\nstrategies = ["ddp"]\n[sweep.ps]\nservers = [1, 2]\n',
+        "[sweep.ps] is for 'ps', which is not in strategies (ddp)",
+    ),
+    "options of a strategy not run": (
+        'models = ["mnist-cnn"]\nstrategies = ["ddp"]\n[options.p3]\nslice_size = 100\n',
+        "[options.p3] is for 'p3', which is not in strategies (ddp)",
+    ),
     "no cells": ('models = ["mnist-cnn"]\nstrategies = ["single"]\n', "the matrix has no cells"),
     "empty data": ('models = ["mnist-cnn"]\ndata = ""\n', "names no path"),
     "not a rate": (  # named as the file's key, not as train's --bandwidth
