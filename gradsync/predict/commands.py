@@ -131,13 +131,15 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--intra-bandwidth", help="rate between ranks of one host (default: the link's)"
     )
     predict.add_argument(
-        "--servers", type=_positive, help="server ranks for ps, hybrid and p3 (default 1)"
+        "--servers",
+        type=_positive,
+        help="server ranks for ps, hybrid and p3 (default 1; a spec's servers=N wins)",
     )
     predict.add_argument(
         "--colocate",
         action="store_true",
         default=None,
-        help="ps and hybrid: every worker serves a shard",
+        help="ps, hybrid and p3: every worker serves a shard (a spec's colocate=false wins)",
     )
     predict.add_argument(
         "--calibrate",
@@ -201,20 +203,29 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
 
 def _strategy_specs(args: argparse.Namespace) -> list[str]:
-    """The ``--strategies`` list with ``--servers``/``--colocate`` added where they apply."""
+    """The ``--strategies`` list, each spec once."""
     from gradsync.strategies import split_specs
 
-    specs = []
-    for spec in split_specs(args.strategies):
-        name = spec.split(":")[0]
-        if args.servers is not None and name in ("ps", "hybrid", "p3"):
-            spec += f":servers={args.servers}"
-        if args.colocate and name in ("ps", "hybrid"):
-            spec += ":colocate"
-        specs.append(spec)
+    specs = split_specs(args.strategies)
     if not specs:
         raise UserError("--strategies lists no strategy; e.g. --strategies allreduce,ps")
+    repeated = sorted({spec for spec in specs if specs.count(spec) > 1})
+    if repeated:
+        raise UserError(
+            f"--strategies lists {', '.join(repeated)} more than once; list each strategy once"
+        )
     return specs
+
+
+def _flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--servers`` and ``--colocate`` as strategy options: they apply to every listed
+    strategy that takes them, and a spec's own option wins (as in ``gradsync verify``)."""
+    given: dict[str, Any] = {}
+    if args.servers is not None:
+        given["servers"] = args.servers
+    if args.colocate:
+        given["colocate"] = True
+    return given
 
 
 def _worker_counts(text: str) -> list[int]:
@@ -421,7 +432,6 @@ def _calibration_of(args: argparse.Namespace) -> list[str]:
 class _PredictOptions:
     """``predict``'s options, parsed and checked: what to simulate, on which networks."""
 
-    specs: list[str]
     choices: list[StrategyChoice]
     workers: list[int]
     latency_s: float
@@ -460,8 +470,7 @@ def _predict_options(args: argparse.Namespace) -> _PredictOptions:
     shared = getattr(args, "shared_cores", None)
     check_shared_cores(shared, "--shared-cores")
     return _PredictOptions(
-        specs=specs,
-        choices=[parse_choice(spec, max(workers)) for spec in specs],
+        choices=[parse_choice(spec, max(workers), _flag_options(args)) for spec in specs],
         workers=workers,
         latency_s=latency,
         queue_s=queue,
@@ -544,7 +553,7 @@ def _predict_into(
             )
     elapsed = time.perf_counter() - started
     settings = {
-        "strategies": options.specs,
+        "strategies": [choice.label() for choice in options.choices],
         "workers": workers,
         "bandwidths": list(networks),
         "latency_s": options.latency_s,

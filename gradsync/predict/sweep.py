@@ -37,23 +37,50 @@ class GridPoint:
     efficiency: float  # throughput / (workers × single-worker throughput without comm)
 
 
-def parse_choice(spec: str, workers: int = 1) -> StrategyChoice:
+def parse_choice(
+    spec: str, workers: int = 1, given: Mapping[str, Any] | None = None
+) -> StrategyChoice:
     """``ps:servers=2:colocate`` → the strategy and its options, as ``verify`` reads
-    strategy specs (:func:`gradsync.verify.cell_config`).
+    strategy specs (:func:`gradsync.verify.cell_config`): ``given`` (options from flags
+    such as ``--servers``) apply to the strategies that take them, and the spec's own
+    options win over them. An option given twice in one spec is a UserError.
 
     Example:
         >>> parse_choice("p3:slice_size=10000").options.slice_size
         10000
+        >>> parse_choice("ps:servers=4", 8, {"servers": 2}).label()
+        'ps:servers=4'
     """
     from gradsync.verify import cell_config
 
-    name = spec.split(":")[0]
+    name, *parts = spec.split(":")
     if name not in SIMULATORS:
         raise UserError(
             f"predict cannot model strategy '{name}'; choose from: {', '.join(SIMULATORS)}"
         )
-    config = cell_config(TrainConfig(strategy="single"), spec, workers, Path("."))
+    _check_no_repeated_option(spec, name, parts)
+    config = cell_config(TrainConfig(strategy="single"), spec, workers, Path("."), given)
     return StrategyChoice(name, config.strategy_options)
+
+
+def _check_no_repeated_option(spec: str, name: str, parts: Sequence[str]) -> None:
+    """UserError when ``spec`` sets one option twice (``ps:servers=2:servers=1``); a part
+    that names no option continues a value that held a colon (``re:emb``)."""
+    from gradsync.options import field_names
+    from gradsync.strategies import options_class
+
+    names = field_names(options_class(name))
+    seen: set[str] = set()
+    for part in parts:
+        key, equals, _ = part.partition("=")
+        if not equals and key not in names:
+            continue
+        if key in seen:
+            raise UserError(
+                f"'{spec}' sets {key} twice; give each option once, e.g. "
+                f"{name}:{key}={part.partition('=')[2] or '...'}"
+            )
+        seen.add(key)
 
 
 def single_step_s(profile: Profile) -> float:

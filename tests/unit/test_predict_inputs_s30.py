@@ -15,7 +15,7 @@ from gradsync.predict.simulate import StrategyChoice, predict_step
 from gradsync.strategies.allreduce import AllreduceOptions
 from gradsync.strategies.ps import PSOptions
 from tests.unit.test_predict import ALLREDUCE, profile_of, variable
-from tests.unit.test_predict_bad_inputs import experiment_file, refused  # noqa: F401
+from tests.unit.test_predict_bad_inputs import experiment_file, refused
 
 
 @pytest.fixture
@@ -23,6 +23,10 @@ def profile_file(tmp_path: Path) -> Path:
     path = tmp_path / "profile.json"
     profile_of([variable("w", 1000, 0.5)]).save(path)
     return path
+
+
+# Two workers on one 1 Gbit/s network, no knob search: quick.
+FAST_2 = ["--workers", "2", "--bandwidth", "1gbit", "--no-recommend"]
 
 
 def settings_of(out: Path) -> dict[str, object]:
@@ -81,3 +85,60 @@ def test_exposed_communication_is_the_wait_beyond_compute_and_optimizer() -> Non
     ring = 2 * (2 - 1) / 2 * (250_000 + 1) * 4 / 1e6
     assert step.step_s == pytest.approx(3.0 + ring + 0.1)
     assert step.exposed_comm_s == pytest.approx(ring)
+
+
+# -- 6. --servers and --colocate beside a spec's own options ------------------------------
+
+
+@pytest.fixture
+def four_variables(tmp_path: Path) -> Path:
+    """A profile with enough slices and partitions for 3 servers."""
+    path = tmp_path / "four.json"
+    profile_of([variable(f"w{i}", 100_000, 0.5) for i in range(4)]).save(path)
+    return path
+
+
+def test_a_spec_servers_wins_over_the_servers_flag(
+    four_variables: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--servers 2 beside ps:servers=4 modelled ps:servers=2 (the flag was appended)."""
+    argv = [
+        "predict",
+        "--profile",
+        str(four_variables),
+        "--servers",
+        "2",
+        "--strategies",
+        "ps:servers=3,p3",
+    ]
+    assert main([*argv, *FAST_2, "--out", str(tmp_path / "out")]) == 0
+    assert settings_of(tmp_path / "out")["strategies"] == ["ps:servers=3", "p3:servers=2"]
+
+
+def test_colocate_applies_to_p3_too(
+    four_variables: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--colocate was left out of p3's spec, though p3:colocate is modelled."""
+    argv = ["predict", "--profile", str(four_variables), "--colocate", "--strategies", "p3,ps"]
+    out = tmp_path / "out"
+    assert main([*argv, *FAST_2, "--out", str(out)]) == 0
+    assert settings_of(out)["strategies"] == ["p3:colocate", "ps:colocate"]
+
+
+@pytest.mark.parametrize(
+    ("strategies", "words"),
+    [
+        ("ps:servers=2:servers=1", "'ps:servers=2:servers=1' sets servers twice"),
+        ("allreduce,allreduce", "lists allreduce more than once"),
+    ],
+)
+def test_an_option_or_strategy_given_twice_is_refused(
+    strategies: str,
+    words: str,
+    profile_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["predict", "--profile", str(profile_file), "--strategies", strategies, *FAST_2]
+    refused([*argv, "--out", str(tmp_path / "out")], capsys, words)
+    assert not (tmp_path / "out").exists()
