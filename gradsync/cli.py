@@ -5,17 +5,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import re
 import sys
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gradsync import __version__
 from gradsync.config import BATCHNORM_MODES, TrainConfig
 from gradsync.errors import JobFailed, UserError
 from gradsync.options import add_option_flags
+
+if TYPE_CHECKING:
+    from gradsync.topology import RankEnv
 
 EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR = 0, 1, 2
 
@@ -437,7 +441,7 @@ def _timestamped(prefix: str) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gradsync.jobs import check_every_host_used, claim_timeline, run_job, validate
+    from gradsync.jobs import check_every_host_used, run_job, validate
     from gradsync.rundir import check_writable
     from gradsync.runtime import run_rank
     from gradsync.strategies import strategy_class
@@ -453,11 +457,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"--resume {args.resume} keeps that run and goes on from its checkpoint, and "
             "--overwrite would clear it; drop one of them"
         )
+    if args.nnodes > 1 and env is None and not args.master_addr:
+        raise UserError(
+            f"--nnodes {args.nnodes} needs --master-addr: the address of node 0 that every "
+            "node can reach (127.0.0.1 would only work with every node on this machine)"
+        )
     common = dict(
         strategy=args.strategy,
         strategy_options=_strategy_options(args.strategy, args),
         resume=bool(args.resume),
-        out=args.resume or args.out or _timestamped(f"train-{args.strategy}"),
+        out=args.resume or args.out or _default_out(args.strategy, env, args.nnodes),
         deterministic=args.deterministic,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
@@ -468,6 +477,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = _config(args, workers=args.workers or 1, **common)
         check_every_host_used(config)
         summary = run_job(config, quiet=False, overwrite=args.overwrite)
+        if config.launch.node_rank != 0:
+            print(f"node {config.launch.node_rank}: done; node 0 writes the results in its --out")
+            return EXIT_OK
         print(
             f"{config.strategy} × {config.workers} workers: "
             f"{summary['throughput']['median']:,.1f} samples/s; results in {config.out}"
@@ -487,11 +499,52 @@ def cmd_train(args: argparse.Namespace) -> int:
             "match the launcher's process count"
         )
     validate(config, one_rank=True)
-    check_writable(Path(config.out))
     if env.rank == 0:
-        claim_timeline(config, overwrite=args.overwrite)
+        _claim_for_the_ranks(config, env, overwrite=args.overwrite)
+    else:
+        check_writable(Path(config.out))
     run_rank(config, env)
     return EXIT_OK
+
+
+def _claim_for_the_ranks(config: TrainConfig, env: RankEnv, *, overwrite: bool) -> None:
+    """Rank 0 of a launcher's job claims ``--out`` as gradsync's own launcher does, before
+    any rank may write there (they wait for rank 0 at the rendezvous); when the folder
+    cannot be had, every rank stops with rank 0's line instead of waiting for it."""
+    from datetime import timedelta
+
+    from gradsync.jobs import prepare_out
+    from gradsync.rendezvous import rendezvous
+
+    try:
+        prepare_out(config, overwrite=overwrite)
+    except UserError as refusal:
+        rendezvous(env, timedelta(seconds=config.launch.timeout_s), refusal=str(refusal))
+        raise
+
+
+def _default_out(strategy: str, env: RankEnv | None, nnodes: int) -> str:
+    """``--out`` when none is given: a time stamp for one launch on this machine; under a
+    launcher that names the job, the job's name, so every rank derives the same folder.
+
+    Example:
+        >>> from gradsync.topology import detect_environment
+        >>> slurm = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "41"}
+        >>> _default_out("ddp", detect_environment(slurm), 1)
+        'runs/train-ddp-slurm-step-41.0'
+    """
+    if env is None or env.launcher == "gradsync":
+        if nnodes == 1:
+            return _timestamped(f"train-{strategy}")
+        launcher = f"--nnodes {nnodes}"
+    elif env.job:
+        return f"runs/train-{strategy}-{re.sub(r'[^A-Za-z0-9_.-]+', '-', env.job).lower()}"
+    else:
+        launcher = env.launcher
+    raise UserError(
+        f"under {launcher} each process would name its own --out from its clock; pass "
+        "--out DIR, the same on every node (a shared file system holds the whole run)"
+    )
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -546,11 +599,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UserError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     checkpoints = [load_checkpoint(path) for path in args.checkpoints]
     reference, *others = checkpoints
-    tolerance = args.tolerance
-    if tolerance is None:
-        tolerance = default_tolerance(checkpoints)
     beyond = 0
     for other in others:
+        # Per pair: a float64 pair is judged at float64's tolerance beside a float32 one.
+        tolerance = args.tolerance
+        if tolerance is None:
+            tolerance = default_tolerance([reference, other])
         diffs = diff_checkpoints(reference, other)
         rows = [
             [
@@ -564,7 +618,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         beyond += sum(not d.within(tolerance) for d in diffs)
         print_table(
             f"reference {reference.path}, compared {other.path} "
-            f"(tolerance: max abs ≤ {tolerance:g})",
+            f"(tolerance: max abs ≤ {tolerance:g}"
+            f"{'' if args.tolerance is not None else ', the default for this pair'})",
             ["tensor", "max abs diff", "max rel diff", "verdict"],
             rows,
         )

@@ -253,7 +253,8 @@ def claim_timeline(config: TrainConfig, *, overwrite: bool) -> None:
 def run_job(
     config: TrainConfig, *, quiet: bool = True, overwrite: bool | None = None
 ) -> dict[str, Any]:
-    """Train ``config`` on local processes and return its ``summary.json``.
+    """Train ``config`` on local processes and return its ``summary.json`` (on a node other
+    than node 0, which writes it: empty).
 
     With ``quiet`` the ranks' stdout goes to ``<out>/stdout.log``. ``overwrite`` not None:
     claim ``config.out`` first (see :func:`prepare_out`); None: the caller owns the folder.
@@ -272,7 +273,8 @@ def run_job(
     while True:
         try:
             launch_local(config, log_file=out / LOG_FILE if quiet else None)
-            return load_summary(out)
+            # Node 0's rank 0 writes the summary; another node's --out may not be shared.
+            return load_summary(out) if config.launch.node_rank == 0 else {}
         except JobFailed as failure:
             if restarts >= config.launch.max_restarts:
                 raise

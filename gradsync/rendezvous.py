@@ -222,10 +222,11 @@ def _world_size_message(first: RankInfo, other: RankInfo) -> str:
 
 
 def rendezvous(
-    env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None
+    env: RankEnv, timeout: timedelta, *, info: RankInfo | None = None, refusal: str = ""
 ) -> tuple[dist.Store, str]:
     """Meet the other ranks at ``env.master_addr:master_port``; once all agree, the store
-    and the device every rank trains on (:func:`agreed_device`).
+    and the device every rank trains on (:func:`agreed_device`). Rank 0's ``refusal`` (why
+    the job cannot run, e.g. its ``--out`` is taken) is every rank's one-line error.
 
     Example:
         >>> # store, device = rendezvous(env, timedelta(seconds=60))
@@ -240,7 +241,10 @@ def rendezvous(
         _HOSTED_STORES.append(store)
     store.set(f"{KEY_PREFIX}/rank{env.rank}", json.dumps(asdict(info)))
     if env.rank == 0:
-        store.set(f"{KEY_PREFIX}/verdict", json.dumps(_verdict(store, info, timeout)))
+        verdict = _verdict(store, info, timeout)
+        store.set(
+            f"{KEY_PREFIX}/verdict", json.dumps({**verdict, "error": refusal or verdict["error"]})
+        )
     verdict = json.loads(_get(store, f"{KEY_PREFIX}/verdict", env, timeout))
     if verdict["error"]:
         raise UserError(verdict["error"])

@@ -247,7 +247,12 @@ def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: Timeline) -> N
     if env.rank != 0:
         return
     if config.timeline is not None:
-        count = merge_rank_files(out, Path(config.timeline), {**run.meta, "steps": config.steps})
+        count = merge_rank_files(
+            out,
+            Path(config.timeline),
+            {**run.meta, "steps": config.steps},
+            world_size=env.world_size,
+        )
         print(f"[rank 0] timeline: {count} events in {config.timeline}", flush=True)
     summary = summarize(
         out,
@@ -271,6 +276,13 @@ def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: Timeline) -> N
         + f"; results in {out}",
         flush=True,
     )
+    if len(summary["ranks"]) < config.workers:  # another node's --out is not this folder
+        print(
+            f"[rank 0] the summary covers {len(summary['ranks'])} of {config.workers} workers: "
+            f"the others' metrics are not in {out} (give every node one --out on a shared "
+            "file system)",
+            flush=True,
+        )
 
 
 def _probe_gradients(

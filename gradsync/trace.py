@@ -359,11 +359,18 @@ def open_timeline(
     )
 
 
-def merge_rank_files(out_dir: Path, destination: Path, metadata: dict[str, Any]) -> int:
-    """Merge every rank's event file into one Chrome-trace JSON; returns the event count."""
+def merge_rank_files(
+    out_dir: Path, destination: Path, metadata: dict[str, Any], *, world_size: int
+) -> int:
+    """Merge the event files of ranks 0..``world_size``-1 into one Chrome-trace JSON (a
+    file of a rank beyond, from an earlier job in the folder, is not this job's); returns
+    the event count."""
     events: list[dict[str, Any]] = []
-    for path in sorted((out_dir / TIMELINE_DIR).glob("rank*.jsonl")):
-        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for rank in range(world_size):
+        path = out_dir / TIMELINE_DIR / f"rank{rank}.jsonl"
+        if path.is_file():
+            lines = path.read_text().splitlines()
+            events += [json.loads(line) for line in lines if line.strip()]
     # Per track, B/E in time order (metadata first); a stable sort keeps B before E at ties.
     events.sort(key=lambda e: (e["pid"], e["tid"], e["ph"] != "M", e.get("ts", 0.0)))
     trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}

@@ -157,7 +157,7 @@ def test_two_nodes_with_gradsyncs_own_launcher(workdir: Path) -> None:
                 "--master-port",
                 port,
                 "--out",
-                "nodes",
+                "nodes" if node == 0 else "node1-own-disk",
             ],
             cwd=workdir,
             stdout=subprocess.PIPE,
@@ -169,7 +169,57 @@ def test_two_nodes_with_gradsyncs_own_launcher(workdir: Path) -> None:
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     summary = _summary(workdir / "nodes")
-    assert summary["workers"] == 4 and set(summary["ranks"]) == {"0", "1", "2", "3"}
+    # Node 1 wrote to a folder of its own (a disk node 0 does not see): node 0 summarizes
+    # what it has and says so; node 1 does not look for a summary of its own.
+    assert summary["workers"] == 4 and set(summary["ranks"]) == {"0", "1"}
+    assert "the summary covers 2 of 4 workers" in outputs[0][0]
+    assert "node 1: done; node 0 writes the results" in outputs[1][0]
+    assert {p.name for p in (workdir / "node1-own-disk" / "metrics").iterdir()} == {
+        "rank2.jsonl",
+        "rank3.jsonl",
+    }
+
+
+def test_rank_0_claims_the_folder_under_torchrun(workdir: Path) -> None:
+    """A used --out is refused on every rank, as by gradsync's own launcher; the run in it
+    stays whole; --overwrite replaces it, and the new trace holds this job's ranks only."""
+    first = _torchrun(workdir, 3, "--strategy", "ps", "--workers", "2", "--timeline", "t1.json")
+    assert first.returncode == 0, first.stderr
+    checkpoint = (workdir / "claimed" / "checkpoint.safetensors").read_bytes()
+    again = _torchrun(workdir, 2, "--strategy", "ddp", "--timeline", "t2.json")
+    assert again.returncode != 0
+    refusals = [line for line in again.stderr.splitlines() if "already holds a run" in line]
+    assert len(refusals) == 2, again.stderr  # every rank, one line each
+    assert (workdir / "claimed" / "checkpoint.safetensors").read_bytes() == checkpoint
+    replaced = _torchrun(workdir, 2, "--strategy", "ddp", "--timeline", "t2.json", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    events = json.loads((workdir / "t2.json").read_text())["traceEvents"]
+    assert {event["pid"] for event in events} == {0, 1}
+
+
+def _torchrun(workdir: Path, processes: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={processes}",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "gradsync",
+            *TRAIN,
+            "--out",
+            "claimed",
+            "--timeout",
+            "60",
+            *args,
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_metrics_lines_carry_bytes_per_rank(workdir: Path) -> None:

@@ -51,8 +51,12 @@ def test_recorder_keeps_only_the_window_and_merges(tmp_path: Path) -> None:
         timeline.record_step(step, started=float(step), elapsed=0.5)
     timeline.close()
     trace_path = tmp_path / "trace.json"
-    merge_rank_files(tmp_path, trace_path, {"strategy": "test"})
+    # A rank file beyond the job's world (an earlier job of 3 ranks in the folder) stays out.
+    stale = '{"ph": "B", "name": "SERVER_APPLY", "pid": 2, "tid": 0, "ts": 0, "args": {}}'
+    (tmp_path / "timeline" / "rank2.jsonl").write_text(stale + "\n")
+    merge_rank_files(tmp_path, trace_path, {"strategy": "test"}, world_size=2)
     events = json.loads(trace_path.read_text())["traceEvents"]
+    assert all(e["pid"] != 2 for e in events)
     begins = [e for e in events if e["ph"] == "B"]
     assert {e["args"]["step"] for e in begins} == {1}
     assert sorted(e["name"] for e in begins) == ["ALLREDUCE", "FORWARD", "STEP"]
