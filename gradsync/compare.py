@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,15 +30,26 @@ class TensorDiff:
 def tensor_diff(name: str, reference: torch.Tensor, other: torch.Tensor) -> TensorDiff:
     """Max |a−b|, and max |a−b|/|a| over elements with |a| ≥ 1e-6.
 
+    Elements equal in both (a NaN in both at the same place, an infinity of the same sign)
+    differ by 0; a NaN in one only makes both maxima NaN, which no tolerance accepts.
+
     Example:
         >>> tensor_diff("w", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
         TensorDiff(name='w', max_abs=0.5, max_rel=0.25)
+        >>> nan = float("nan")
+        >>> tensor_diff("w", torch.tensor([nan, 2.0]), torch.tensor([nan, 2.0]))
+        TensorDiff(name='w', max_abs=0.0, max_rel=0.0)
+        >>> tensor_diff("w", torch.tensor([nan, 2.0]), torch.tensor([1.0, 2.0]))
+        TensorDiff(name='w', max_abs=nan, max_rel=nan)
     """
     a, b = reference.double(), other.double()
-    diff = (a - b).abs()
-    if diff.numel() == 0:
+    if a.numel() == 0:
         return TensorDiff(name, 0.0, 0.0)
-    significant = a.abs() >= RELATIVE_FLOOR
+    same = (a == b) | (a.isnan() & b.isnan())
+    diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
+    if diff.isnan().any():  # a NaN in one only: beyond any tolerance
+        return TensorDiff(name, math.nan, math.nan)
+    significant = a.abs() >= RELATIVE_FLOOR  # False for NaN: equal there, diff 0
     rel = (diff[significant] / a.abs()[significant]).max().item() if significant.any() else 0.0
     return TensorDiff(name, diff.max().item(), rel)
 
@@ -123,13 +135,14 @@ def setting_differences(reference: Checkpoint, other: Checkpoint) -> list[str]:
     other_optim = {k for k in other.tensors if k.startswith("optim/")}
     if ref_optim != other_optim:
         only = sorted(ref_optim ^ other_optim)
-        notes.append(f"optimizer-state keys differ (e.g. {', '.join(only[:3])})")
+        notes.append(f"optimizer-state keys ({', '.join(only[:3])} in one only)")
     return notes
 
 
 def default_tolerance(checkpoints: list[Checkpoint]) -> float:
-    """``compare``'s max |Δ| when none is given: float64's when every checkpoint holds only
-    float64 parameters, float32's otherwise (as ``verify`` judges each dtype).
+    """``compare``'s max |Δ| for ``checkpoints`` (a compared pair) when none is given:
+    float64's when every one holds only float64 parameters, float32's otherwise (as
+    ``verify`` judges each dtype).
 
     Example:
         >>> w = torch.zeros(1, dtype=torch.float64)
@@ -149,12 +162,24 @@ def default_tolerance(checkpoints: list[Checkpoint]) -> float:
     return FLOAT64_TOLERANCE if floats == {torch.float64} else FLOAT32_TOLERANCE
 
 
+def _largest(values: list[float]) -> float:
+    """The largest of ``values`` (0 for none), NaN if any is NaN (Python's max skips a NaN
+    that is not first)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+
 def worst(diffs: list[TensorDiff]) -> TensorDiff:
-    """The largest max-abs and max-rel over all tensors (each may come from another tensor)."""
+    """The largest max-abs and max-rel over all tensors (each may come from another tensor);
+    NaN when any tensor's is.
+
+    Example:
+        >>> worst([TensorDiff("a", 3.0, 0.1), TensorDiff("b", 0.5, 0.9)])
+        TensorDiff(name='all', max_abs=3.0, max_rel=0.9)
+        >>> worst([TensorDiff("a", 3.0, 0.1), TensorDiff("b", float("nan"), 0.9)]).max_abs
+        nan
+    """
     return TensorDiff(
-        "all",
-        max((d.max_abs for d in diffs), default=0.0),
-        max((d.max_rel for d in diffs), default=0.0),
+        "all", _largest([d.max_abs for d in diffs]), _largest([d.max_rel for d in diffs])
     )
 
 

@@ -259,6 +259,30 @@ def test_compare_exit_codes(capsys, tmp_path):
     assert "max abs ≤ 1e-09" in capsys.readouterr().out
 
 
+def test_compare_nan_in_both_is_equal_in_one_is_beyond(capsys, tmp_path):
+    meta = {"model": "m", "preset": "tiny"}
+    nan = float("nan")
+    for name, values in (("a", [nan, 1.0]), ("b", [nan, 1.0]), ("c", [2.0, 1.0])):
+        save_checkpoint(tmp_path / f"{name}.safetensors", {"param/w": torch.tensor(values)}, meta)
+    a, b, c = (str(tmp_path / f"{n}.safetensors") for n in "abc")
+    assert main(["compare", a, b]) == 0
+    assert "all tensors within tolerance" in capsys.readouterr().out
+    assert main(["compare", a, c]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if "param/w" in line)
+    assert row.count("nan") == 2 and "BEYOND" in row and "0.000e+00" not in row
+
+
+def test_compare_notes_optimizer_state_keys_in_one_run_only(capsys, tmp_path):
+    meta = {"model": "m", "preset": "tiny"}
+    save_checkpoint(tmp_path / "a.safetensors", {"param/w": torch.ones(2)}, meta)
+    state = {"param/w": torch.ones(2), "optim/w/momentum_buffer": torch.ones(2)}
+    save_checkpoint(tmp_path / "b.safetensors", state, meta)
+    main(["compare", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")])
+    out = capsys.readouterr().out
+    assert "the runs differ in optimizer-state keys (optim/w/momentum_buffer in one only)" in out
+    assert "keys differ" not in out
+
+
 # ---------------------------------------------------------------- train under a launcher
 
 OPEN_MPI_TWO_NODES = {
