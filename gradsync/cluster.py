@@ -143,7 +143,7 @@ def sbatch_script(
         f"# Results in {results}; the sweep writes its report there (gradsync report rewrites it).",
         f"#SBATCH --job-name=gradsync-{experiment.name}",
         *shape.header(),
-        f"#SBATCH --chdir={workdir.resolve()}",
+        f"#SBATCH --chdir={sbatch_value(str(workdir.resolve()))}",
         f"#SBATCH --output=slurm-gradsync-{experiment.name}-%j.out",
         *(f"#SBATCH {option}" for option in extra or []),
         "set -euo pipefail",
@@ -151,6 +151,23 @@ def sbatch_script(
         shlex.join(command),
     ]
     return "\n".join(lines) + "\n"
+
+
+def sbatch_value(text: str) -> str:
+    """``text`` as the value of an ``#SBATCH`` option: sbatch splits its lines at blanks
+    outside double quotes, so a value with a blank is quoted; a double quote or a line
+    break cannot be written there (UserError).
+
+    Example:
+        >>> sbatch_value("/home/me/runs"), sbatch_value("/home/me/my runs")
+        ('/home/me/runs', '"/home/me/my runs"')
+    """
+    if '"' in text or "\n" in text:
+        raise UserError(
+            f"{text!r} holds a double quote or a line break, which an #SBATCH line cannot "
+            "carry; run gradsync sbatch from a folder without one"
+        )
+    return f'"{text}"' if any(c.isspace() for c in text) else text
 
 
 def add_sbatch_parser(commands: argparse._SubParsersAction) -> None:

@@ -60,6 +60,17 @@ def test_sbatch_writes_the_script(scaling: Path, tmp_path: Path, monkeypatch, ca
     assert "submit with: sbatch results/scaling/job.sbatch" in capsys.readouterr().out
 
 
+def test_sbatch_quotes_a_working_folder_with_a_blank(
+    scaling: Path, tmp_path: Path, monkeypatch
+) -> None:
+    folder = tmp_path / "my runs"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    assert cli.main(["sbatch", str(scaling), "--tasks-per-node", "4"]) == 0
+    script = (folder / "results" / "scaling" / "job.sbatch").read_text()
+    assert f'\n#SBATCH --chdir="{folder}"\n' in script  # sbatch splits at unquoted blanks
+
+
 def test_print_sbatch_writes_nothing(scaling: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     assert cli.main(["sbatch", str(scaling), "--print-sbatch"]) == 0
