@@ -540,7 +540,6 @@ def _predict_into(
         raise UserError(f"no configuration can be modelled: {refused[0]}")
     recommendations = []
     if args.recommend:
-        names = [choice.name for choice in options.choices]
         for label, network in networks.items():
             cluster = Cluster(
                 workers=max(workers),
@@ -549,7 +548,7 @@ def _predict_into(
                 shared_cores=shared,
             )
             recommendations.append(
-                recommend(profile, names, cluster, label, batchnorm=args.batchnorm)
+                recommend(profile, options.choices, cluster, label, batchnorm=args.batchnorm)
             )
     elapsed = time.perf_counter() - started
     settings = {

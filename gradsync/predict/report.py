@@ -45,8 +45,9 @@ def table_rows(points: Sequence[GridPoint]) -> list[list[str]]:
 def recommendation_lines(recommendations: Sequence[Recommendation]) -> list[str]:
     return [
         f"{r.workers} workers at {r.bandwidth}: {r.best.choice.label()} "
-        f"({r.best.throughput:,.1f} samples/s), {r.gain:+.0%} over the default "
-        f"{r.default.choice.label()}, {r.knob_gain:+.0%} over {r.best.choice.name}'s defaults"
+        f"({r.best.throughput:,.1f} samples/s), {r.gain:+.0%} over {r.default.choice.label()} "
+        f"({r.default.throughput:,.1f}), {r.knob_gain:+.0%} over "
+        f"{r.strategy_default.choice.label()} as listed"
         for r in recommendations
     ]
 

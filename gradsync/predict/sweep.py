@@ -157,13 +157,14 @@ def candidates(name: str) -> Iterator[StrategyChoice]:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The fastest setting found for one cluster, against the defaults."""
+    """The fastest setting found for one cluster among the listed strategies' knob
+    settings, against the listed ones."""
 
     workers: int
     bandwidth: str
     best: StepPrediction
-    default: StepPrediction  # gradsync's default strategy with its default knobs
-    strategy_default: StepPrediction  # the best's strategy with default knobs
+    default: StepPrediction  # the baseline: the listed spec of gradsync's default, else the first
+    strategy_default: StepPrediction  # the best's strategy as listed
 
     @property
     def gain(self) -> float:
@@ -188,32 +189,40 @@ class Recommendation:
 
 def recommend(
     profile: Profile,
-    names: Sequence[str],
+    listed: Sequence[StrategyChoice],
     cluster: Cluster | Callable[[StrategyChoice], Cluster],
     bandwidth: str,
     *,
     batchnorm: str = TrainConfig.batchnorm,
 ) -> Recommendation:
-    """Try every candidate knob setting of each strategy in ``names`` on ``cluster`` (or on
-    the cluster a function gives each setting: where its server ranks run)."""
+    """Try each ``listed`` choice as given, then every candidate knob setting of its
+    strategy, on ``cluster`` (or on the cluster a function gives each setting: where its
+    server ranks run). Only listed strategies are searched; the baseline is the listed
+    choice of gradsync's default strategy, else the first listed that can be modelled.
+
+    Example:
+        >>> # recommend(profile, [parse_choice("ps:servers=2")], cluster, "1gbit").best
+    """
     cluster_of = cluster if callable(cluster) else (lambda _choice: cluster)
 
-    def predict(choice: StrategyChoice) -> StepPrediction:
-        return predict_step(profile, cluster_of(choice), choice, batchnorm=batchnorm)
+    def predict(choice: StrategyChoice) -> StepPrediction | None:
+        try:
+            return predict_step(profile, cluster_of(choice), choice, batchnorm=batchnorm)
+        except UserError:  # e.g. more servers than the model has variables
+            return None
 
-    tried: list[StepPrediction] = []
-    for name in dict.fromkeys(names):
-        for choice in (parse_choice(name), *candidates(name)):
-            try:
-                tried.append(predict(choice))
-            except UserError:  # e.g. more servers than the model has variables
-                continue
+    as_listed = [p for p in map(predict, listed) if p is not None]
+    names = dict.fromkeys(choice.name for choice in listed)
+    settings = [choice for name in names for choice in (parse_choice(name), *candidates(name))]
+    searched = [p for p in map(predict, settings) if p is not None]
+    tried = as_listed + searched  # the listed first: a tie goes to what the user asked for
     if not tried:
         raise UserError("no strategy setting could be modelled for this profile")
-    default = predict(parse_choice(TrainConfig().strategy))
-    best = pick_recommended(tried, default)
-    own_default = predict(parse_choice(best.choice.name))
-    return Recommendation(best.workers, bandwidth, best, default, own_default)
+    default_name = TrainConfig().strategy
+    baseline = next((p for p in as_listed if p.choice.name == default_name), tried[0])
+    best = pick_recommended(tried, baseline)
+    own = next((p for p in as_listed if p.choice.name == best.choice.name), best)
+    return Recommendation(best.workers, bandwidth, best, baseline, own)
 
 
 # A setting replaces the default only when predicted at least this much faster. On the

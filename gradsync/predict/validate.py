@@ -576,7 +576,7 @@ def cluster_for(
 
 
 def _recommended(plan: ValidationPlan, profile: Profile, bandwidth: str, out: Path) -> str:
-    names = [spec.split(":")[0] for spec in plan.strategies]
+    listed = [parse_choice(spec, plan.workers) for spec in plan.strategies]
     # Each candidate on the hosts the launcher would put its ranks on (servers included).
     placed = functools.partial(
         cluster_for,
@@ -585,7 +585,7 @@ def _recommended(plan: ValidationPlan, profile: Profile, bandwidth: str, out: Pa
         bandwidth=bandwidth,
         calibration=_calibration(plan, bandwidth, out),
     )
-    return recommend(profile, names, placed, bandwidth).best.choice.label()
+    return recommend(profile, listed, placed, bandwidth).best.choice.label()
 
 
 def _run_cell(

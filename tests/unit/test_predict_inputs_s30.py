@@ -142,3 +142,32 @@ def test_an_option_or_strategy_given_twice_is_refused(
     argv = ["predict", "--profile", str(profile_file), "--strategies", strategies, *FAST_2]
     refused([*argv, "--out", str(tmp_path / "out")], capsys, words)
     assert not (tmp_path / "out").exists()
+
+
+# -- 7. the recommendation searches the listed strategies, as listed ----------------------
+
+
+def recommendations_of(argv: list[str], out: Path) -> list[dict[str, object]]:
+    assert main(["predict", *argv, "--bandwidth", "8mbit", "--out", str(out)]) == 0
+    return json.loads((out / "predictions.json").read_text())["recommendations"]
+
+
+def test_the_recommendation_stays_among_the_listed_strategies(
+    four_variables: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--strategies ps recommended allreduce, a row not in the table, against allreduce."""
+    argv = ["--profile", str(four_variables), "--strategies", "ps", "--workers", "2,4"]
+    (found,) = recommendations_of(argv, tmp_path / "out")
+    assert str(found["best"]).split(":")[0] == "ps"
+    assert found["default"] == "ps"
+    assert "over ps (" in capsys.readouterr().out
+
+
+def test_the_recommendation_keeps_the_options_listed(
+    four_variables: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The listed allreduce:fusion_threshold_mb=0 was compared as plain allreduce."""
+    spec = "allreduce:fusion_threshold_mb=0"
+    argv = ["--profile", str(four_variables), "--strategies", spec, "--workers", "4"]
+    (found,) = recommendations_of(argv, tmp_path / "out")
+    assert found["default"] == "allreduce:fusion_threshold_mb=0.0"
