@@ -86,26 +86,28 @@ measure_warmup = 1
 def test_gradsync_sbatch_script_runs_and_report_reads_it(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    (tmp_path / "exp.toml").write_text(TINY_EXPERIMENT)
+    work = tmp_path / "my runs"  # sbatch splits #SBATCH lines at unquoted blanks
+    work.mkdir()
+    (work / "exp.toml").write_text(TINY_EXPERIMENT)
     written = run(
         gradsync_argv("sbatch", "exp.toml", "--out", "results", "--tasks-per-node", "2"),
-        cwd=tmp_path,
+        cwd=work,
     )
     assert written.returncode == 0, written.stderr
-    script = (tmp_path / "results" / "job.sbatch").read_text()
+    script = (work / "results" / "job.sbatch").read_text()
     assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n" in script
-    code = slurm.sbatch("results/job.sbatch", cwd=tmp_path)
-    logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    code = slurm.sbatch("results/job.sbatch", cwd=work)
+    logs = "".join(p.read_text() for p in work.glob("slurm-*.out"))
     assert code == 0, logs + slurm.logs()
-    records = [json.loads(line) for line in (tmp_path / "results" / "results.jsonl").open()]
+    records = [json.loads(line) for line in (work / "results" / "results.jsonl").open()]
     assert {r["status"] for r in records} == {"ok"}, records
     # Every cell ran as its own srun step: its ranks saw Slurm's environment.
     for record in records:
         summary = json.loads((Path(record["out"]) / "summary.json").read_text())
         assert summary["launcher"] == "slurm"
-    report = run(gradsync_argv("report", "results"), cwd=tmp_path)
+    report = run(gradsync_argv("report", "results"), cwd=work)
     assert report.returncode == 0, report.stderr
-    text = (tmp_path / "results" / "report.md").read_text()
+    text = (work / "results" / "report.md").read_text()
     assert "| allreduce | 2 |" in text
 
 
