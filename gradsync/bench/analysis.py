@@ -19,7 +19,7 @@ from typing import Any
 
 from gradsync.bench.equal import one_worker
 from gradsync.bench.experiment import Cell, Experiment
-from gradsync.bench.sweep import cell_config
+from gradsync.bench.sweep import cell_config, record_problem
 from gradsync.checkpoint import load_checkpoint
 from gradsync.compare import diff_checkpoints, worst
 from gradsync.errors import UserError
@@ -67,10 +67,10 @@ def _cell(record: dict[str, Any]) -> Cell:
 
 
 def analyse(experiment: Experiment, records: list[dict[str, Any]], out: Path) -> list[Row]:
-    """Rows of the measured cells (ok ones), in experiment order."""
+    """Rows of the measured cells (ok ones, each with its measurements), in experiment order."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for record in records:
-        if record["status"] == "ok" and record["role"] == "measure":
+        if record_problem(record) is None and record["role"] == "measure":
             groups.setdefault(_cell(record).group(), []).append(record)
     rows = [_combine(group) for group in groups.values()]
     by_key = {row.cell.group(): row for row in rows}
@@ -124,7 +124,7 @@ def _check_correctness(
     references = {
         (r["model"], r["global_batch"], r["lr_scaling"], r["role"]): r["out"]
         for r in records
-        if r["status"] == "ok" and r["role"] != "measure"
+        if r.get("status") == "ok" and r["role"] != "measure"
     }
     for row in rows:
         key = (row.cell.model, row.cell.global_batch, row.cell.lr_scaling)

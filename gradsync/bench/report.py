@@ -16,7 +16,7 @@ from typing import Any
 from gradsync.bench.analysis import Row, analyse
 from gradsync.bench.equal import Swept, setting
 from gradsync.bench.experiment import Experiment, PublishedGain, load_experiment
-from gradsync.bench.sweep import experiment_results, stale_cells
+from gradsync.bench.sweep import experiment_results, record_problem, stale_cells
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_text
 from gradsync.tables import markdown_table
@@ -81,10 +81,10 @@ def write_report(out: Path) -> Path:
         lines += gain_section(experiment.published_gain, rows)
         plot = _gain_plot(out, experiment.published_gain, rows)
         lines += [f"![measured vs published gain]({plot.relative_to(out)})", ""]
-    failed = [r for r in records if r["status"] == "failed"]
+    failed = [[r["id"], problem] for r in records if (problem := record_problem(r))]
     if failed:
         lines += ["## Failed cells", ""]
-        lines += [markdown_table(["cell", "error"], [[r["id"], r["error"]] for r in failed]), ""]
+        lines += [markdown_table(["cell", "error"], failed), ""]
     report = out / REPORT_FILE
     atomic_write_text(report, "\n".join(lines) + "\n")
     return report
@@ -155,14 +155,14 @@ def held_equal(experiment: Experiment) -> str:
 
 
 def _environment(records: list[dict]) -> list[str]:
-    ok = [r for r in records if r["status"] == "ok"]
+    ok = [r for r in records if record_problem(r) is None]
     if not ok:
         return []
-    env = ok[0]["environment"]
+    env = ok[0].get("environment", {})
     return [
         f"Measured with gradsync {env.get('gradsync')}, torch {env.get('torch')}, on "
         f"{env.get('cpu')} ({env.get('cores')} cores); steps per job "
-        f"{len(ok[0]['step_times_s'])}, warm-up {ok[0]['throughput']['warmup_steps']} "
+        f"{len(ok[0]['step_times_s'])}, warm-up {ok[0]['throughput'].get('warmup_steps')} "
         "steps left out; throughput is the whole job's samples/s. "
         f"Allocator: {env.get('allocator', 'not recorded')}.",
         "",
@@ -184,9 +184,9 @@ def _table(rows: list[Row]) -> str:
 def _cores_caveat(rows: list[Row], records: list[dict]) -> str:
     """Say so when the workers' threads outnumber the cores: then scaling measures
     overheads only."""
-    ok = [r for r in records if r["status"] == "ok"]
-    cores = next((r["environment"].get("cores") for r in ok), None)
-    threads = min((r["environment"].get("threads_per_rank") or 1 for r in ok), default=1)
+    ok = [r for r in records if record_problem(r) is None]
+    cores = next((r.get("environment", {}).get("cores") for r in ok), None)
+    threads = min((r.get("environment", {}).get("threads_per_rank") or 1 for r in ok), default=1)
     most = max(row.cell.workers for row in rows)
     if not cores or most * threads <= cores:
         return ""

@@ -129,6 +129,40 @@ def changed_settings(
     return changes
 
 
+# What an ``ok`` record must hold to be read as a measurement (see sweep.run_cell).
+MEASURED = ("throughput", "step_times_s", "loss", "bytes_sent_per_step", "exposed_comm_s_per_step")
+
+
+def record_problem(record: dict[str, Any]) -> str | None:
+    """Why ``record`` is no measurement, or None: its error when it failed, the fields it
+    lacks when it says ``ok`` (a hand-edited or foreign record).
+
+    Example:
+        >>> record_problem({"status": "ok", "throughput": {"median": 1.0}})[:38]
+        'recorded as ok without step_times_s, l'
+        >>> record_problem({"status": "failed", "error": "rank 1 crashed"})
+        'rank 1 crashed'
+    """
+    status = record.get("status")
+    if status == "failed":
+        return str(record.get("error") or "failed, no error recorded")
+    if status != "ok":
+        return f"status {status!r} is neither ok nor failed; run gradsync bench again to measure it"
+    missing = [key for key in MEASURED if key not in record]
+    throughput = record.get("throughput", {})
+    missing += [
+        f"throughput.{key}"
+        for key in ("median", "low", "high")
+        if not isinstance(throughput, dict) or key not in throughput
+    ]
+    if not missing:
+        return None
+    return (
+        f"recorded as ok without {', '.join(dict.fromkeys(missing))}; run gradsync bench "
+        "again to measure it"
+    )
+
+
 def load_records(out: Path) -> list[dict[str, Any]]:
     """Every complete record in ``out``'s results, in the order they were written.
 
@@ -205,14 +239,15 @@ def _latest_of(
 def _cells_to_run(
     cells: list[Cell], configs: dict[str, TrainConfig], out: Path
 ) -> tuple[list[Cell], int]:
-    """The cells without an ``ok`` record of the same settings; say why each reruns."""
+    """The cells without an ``ok`` record (with its measurements) of the same settings;
+    say why each reruns."""
     by_cell = _by_cell(load_records(out))
     todo, done = [], 0
     for cell in cells:
         settings = cell_settings(configs[cell.id])
         mine, wanted = by_cell.get(cell.id, []), fingerprint(settings)
         same = _latest_of(mine, lambda r, f=wanted: r.get("fingerprint") == f)
-        if same is not None and same.get("status") == "ok":
+        if same is not None and record_problem(same) is None:
             done += 1
             continue
         last = _latest_of(mine, lambda r: r.get("status") == "ok")

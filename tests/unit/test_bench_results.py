@@ -10,6 +10,7 @@ from typing import Any
 from gradsync.bench import sweep
 from gradsync.bench.experiment import Experiment, load_experiment
 from gradsync.bench.report import write_report
+from gradsync.devices import on_one_device
 
 MIX = (
     'name = "mix"\nmodels = ["mnist-cnn"]\npreset = "tiny"\nstrategies = ["allreduce", "ddp"]\n'
@@ -84,3 +85,26 @@ def test_records_without_settings_are_kept(tmp_path: Path) -> None:
     del record["settings"], record["fingerprint"]
     _write(tmp_path, [record])
     assert sweep.experiment_results(tmp_path, experiment) == [record]
+
+
+def test_an_ok_record_without_throughput_is_listed_not_a_crash(tmp_path: Path) -> None:
+    """Probe 30b: a record without ``throughput`` made `gradsync report` a KeyError."""
+    experiment = _experiment(tmp_path, steps=4)
+    broken = _record(experiment, "ddp", 200.0)
+    del broken["throughput"]
+    _write(tmp_path, [_record(experiment, "allreduce", 100.0), broken])
+    report = write_report(tmp_path).read_text()
+    assert "| allreduce |" in report and "| ddp |" not in report
+    assert f"| {broken['id']} | recorded as ok without throughput" in report
+
+
+def test_bench_runs_an_ok_record_without_throughput_again(tmp_path: Path) -> None:
+    experiment = _experiment(tmp_path, steps=4)
+    broken = _record(experiment, "ddp", 200.0)
+    del broken["throughput"]
+    _write(tmp_path, [_record(experiment, "allreduce", 100.0), broken])
+    cells = experiment.cells()
+    configs = [sweep.cell_config(experiment, cell, tmp_path) for cell in cells]
+    resolved = dict(zip([c.id for c in cells], on_one_device(configs, gpus=0), strict=True))
+    todo, done = sweep._cells_to_run(cells, resolved, tmp_path)
+    assert [cell.strategy for cell in todo] == ["ddp"] and done == 1
