@@ -49,6 +49,23 @@ RUN_ENTRIES = frozenset(RUN_MARKERS) | {
     "predictions.md", "scaling.png", "bandwidth.png", "trace.json", "gain-vs-published.png",
     "plan.toml", "profiles", "calibration", "runs", "validation.md", "validation.json",
 }  # fmt: skip
+# What ``gradsync timeline summarize X.json`` writes beside its trace, whatever its name.
+TIMELINE_OUTPUT_SUFFIXES = (".summary.json", ".gantt.png")
+
+
+def is_run_entry(name: str) -> bool:
+    """Whether ``name``, at the top of a run folder, is a name a gradsync command writes
+    there: one of :data:`RUN_ENTRIES`, or a trace's summary or Gantt chart.
+
+    Example:
+        >>> [is_run_entry(n) for n in ("trace.json", "t2.summary.json", "trace.gantt.png")]
+        [True, True, True]
+        >>> is_run_entry(".gantt.png"), is_run_entry("notes.json")
+        (False, False)
+    """
+    if name in RUN_ENTRIES:
+        return True
+    return any(name.endswith(s) and len(name) > len(s) for s in TIMELINE_OUTPUT_SUFFIXES)
 
 
 def claim_run_dir(
@@ -248,10 +265,10 @@ def _written_by_gradsync(item: Path) -> bool:
     a folder that is a run of its own (a verify cell), or one that holds nothing else (a
     cell that stopped before its first file: empty)."""
     name = item.name
-    if name in RUN_ENTRIES or _other_node(name):
+    if is_run_entry(name) or _other_node(name):
         return True
     if name.startswith(".") and name.endswith(".tmp"):  # .{entry}.{random}.tmp
-        return name[1:].rsplit(".", 2)[0] in RUN_ENTRIES
+        return is_run_entry(name[1:].rsplit(".", 2)[0])
     if not item.is_dir() or item.is_symlink():
         return False
     return _is_run(item) or all(_written_by_gradsync(inner) for inner in item.iterdir())
