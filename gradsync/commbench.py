@@ -163,6 +163,10 @@ class CommbenchConfig:
                 f"message sizes must be at least {ELEMENT_BYTES * self.workers} bytes "
                 f"(one float32 per rank), got {small or 'none'}"
             )
+        for flag, values in (("--sizes", self.sizes), ("--busy-ms", self.busy_ms)):
+            twice = sorted({f"{v:g}" for v in values if values.count(v) > 1})
+            if twice:  # each would be measured twice and drawn as one series
+                raise UserError(f"{flag} lists {', '.join(twice)} more than once; give each once")
         if self.warmup_iters < 1 or self.iters < 1:
             raise UserError(
                 f"--warmup and --iters must be ≥ 1, got {self.warmup_iters} and {self.iters}"

@@ -394,11 +394,11 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
     """
     path = Path(commbench_path)
     payload, rows, n = _ring_rows(path)
-    slope, intercept = _two_regime_line([(r["bytes"], r["time_s"]) for r in rows])
+    slope, intercept = _two_regime_line(_points(path, rows, "time_s"))
     hop = max(0.0, intercept) / (2 * (n - 1))
     efficiency = network.efficiency
     if payload.get("bandwidth") and slope > 0:
-        nominal = parse_bandwidth(payload["bandwidth"])
+        nominal = parse_bandwidth(str(payload["bandwidth"]), f"--calibrate {path}: bandwidth")
         efficiency = min(1.0, (2 * (n - 1) / n) / slope / nominal)
     network = replace(network, latency=0.0, message_s=hop, efficiency=efficiency)
     if all("cpu_s" in r for r in rows):
@@ -415,20 +415,21 @@ def calibrate(network: Network, commbench_path: str | Path) -> Network:
 def _ring_rows(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
     """A commbench.json's payload, its allreduce rows between idle ranks (two sizes at
     least) and its number of ranks (2 at least); any problem is a UserError."""
-    try:
-        payload: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce"]
-        n = int(payload["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(
-            f"--calibrate {path}: not a commbench.json ({error}); run `gradsync commbench "
-            "--hosts 2 --bandwidth RATE --ops allreduce` and pass its commbench.json"
-        ) from None
-    if len(rows) < 2 or n < 2:
-        raise UserError(
-            f"--calibrate {path}: needs allreduce times at two or more sizes on 2+ ranks"
-        )
+    payload = _load_commbench(path)
+    rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce"]
+    n = _world_size(path, payload)
+    _points(path, rows, "time_s")  # two sizes at least, every time a number
     return payload, rows, n
+
+
+def _world_size(path: Path, payload: dict[str, Any]) -> int:
+    """The run's number of ranks, 2 at least; else a one-line UserError naming the file."""
+    n = payload.get("world_size")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        raise UserError(
+            f"--calibrate {path}: world_size is {n!r}, not a number of ranks >= 2; {COMMBENCH_HINT}"
+        )
+    return n
 
 
 def ring_rate(commbench_path: str | Path) -> float:
@@ -441,10 +442,84 @@ def ring_rate(commbench_path: str | Path) -> float:
     """
     path = Path(commbench_path)
     _, rows, n = _ring_rows(path)
-    slope, _ = _two_regime_line([(r["bytes"], r["time_s"]) for r in rows])
+    slope, _ = _two_regime_line(_points(path, rows, "time_s"))
     if slope <= 0:
         raise UserError(f"{path}: the allreduce times do not grow with size; measure again")
     return 2 * (n - 1) / n / slope
+
+
+COMMBENCH_HINT = (
+    "run `gradsync commbench --hosts 2 --bandwidth RATE --ops allreduce` and pass its "
+    "commbench.json"
+)
+
+
+def _load_commbench(path: Path) -> dict[str, Any]:
+    """A commbench.json's payload: an object whose ``results`` are objects, each with an
+    ``op`` and a positive whole number of ``bytes``; any problem is a one-line UserError
+    naming the file."""
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        message = f"--calibrate {path}: not a commbench.json ({error}); {COMMBENCH_HINT}"
+        raise UserError(message) from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
+        raise UserError(
+            f"--calibrate {path}: not a commbench.json (no list of results); {COMMBENCH_HINT}"
+        )
+    for number, row in enumerate(payload["results"]):
+        size = row.get("bytes") if isinstance(row, dict) else None
+        if not isinstance(row, dict) or not isinstance(row.get("op"), str) or not _is_size(size):
+            raise UserError(
+                f"--calibrate {path}: results[{number}] needs an op and a whole number of "
+                f"bytes > 0, got {row!r}; {COMMBENCH_HINT}"
+            )
+        busy = row.get("busy_s")
+        if busy is not None and not _is_number(busy):
+            raise UserError(
+                f"--calibrate {path}: results[{number}] has busy_s {busy!r}, not a finite "
+                f"number >= 0; {COMMBENCH_HINT}"
+            )
+    return payload
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_number(value: object) -> bool:
+    """A finite number >= 0 (not a bool)."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return real and math.isfinite(value) and value >= 0  # type: ignore[arg-type]
+
+
+def _points(path: Path, rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(bytes, ``key``) of ``rows`` (one op's), checked: every value a finite number >= 0
+    (a time > 0), at two or more distinct sizes; else a one-line UserError naming the file.
+
+    Example:
+        >>> _points(Path("c.json"), [{"op": "p2p", "bytes": 4, "cpu_s": 0.5}], "cpu_s")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --calibrate c.json: needs p2p cpu_s at two or more...
+    """
+    op = rows[0]["op"] if rows else "allreduce"
+    for row in rows:
+        value = row.get(key)
+        if not _is_number(value) or (key == "time_s" and value == 0):
+            raise UserError(
+                f"--calibrate {path}: {op} {key} at {row['bytes']} bytes is {value!r}, not a "
+                f"finite number {'> 0' if key == 'time_s' else '>= 0'}; measure it again "
+                "with `gradsync commbench`"
+            )
+    points = [(float(row["bytes"]), float(row[key])) for row in rows]
+    sizes = sorted({int(size) for size, _ in points})
+    if len(sizes) < 2:
+        raise UserError(
+            f"--calibrate {path}: needs {op} {key} at two or more distinct sizes, got "
+            f"{sizes or 'none'}; run e.g. `gradsync commbench --ops {op} --sizes 4K,1M,4M`"
+        )
+    return points
 
 
 def _idle_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -470,13 +545,16 @@ def calibrate_sync(network: Network, commbench_path: str | Path) -> Network:
         >>> # calibrate_sync(Network(bandwidth=125e6), "sync/commbench.json").sync_message_s
     """
     path = Path(commbench_path)
-    try:
-        payload: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in payload["results"] if r["op"] == "allreduce" and r.get("busy_s")]
-        n = int(payload["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"{path}: not a commbench.json ({error})") from None
-    if not rows or n < 2:
+    payload = _load_commbench(path)
+    rows = [r for r in payload["results"] if r["op"] == "allreduce" and r.get("busy_s")]
+    n = _world_size(path, payload)
+    for row in rows:
+        if not _is_number(row.get("time_s")):
+            raise UserError(
+                f"--calibrate {path}: allreduce time_s at {row['bytes']} bytes is "
+                f"{row.get('time_s')!r}, not a finite number >= 0; measure it again"
+            )
+    if not rows:
         raise UserError(
             f"{path}: needs allreduce times between busy ranks on 2+ ranks; measure them with "
             "`gradsync commbench --ops allreduce --sizes 4K --busy-ms 0.5,1,2,4`"
@@ -508,18 +586,10 @@ def calibrate_cpu(network: Network, commbench_path: str | Path) -> Network:
         >>> # calibrate_cpu(Network(bandwidth=125e6), "calibration/1gbit/commbench.json")
     """
     path = Path(commbench_path)
-    try:
-        payload: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce" and "cpu_s" in r]
-        n = int(payload["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"{path}: not a commbench.json ({error})") from None
-    if len(rows) < 2 or n < 2:
-        raise UserError(
-            f"{path}: needs allreduce CPU times (cpu_s) at two or more sizes on 2+ ranks; "
-            "measure them with this version's `gradsync commbench --ops allreduce`"
-        )
-    slope, intercept = _two_regime_line([(r["bytes"], r["cpu_s"]) for r in rows])
+    payload = _load_commbench(path)
+    rows = [r for r in _idle_rows(payload) if r["op"] == "allreduce" and "cpu_s" in r]
+    n = _world_size(path, payload)
+    slope, intercept = _two_regime_line(_points(path, rows, "cpu_s"))
     return replace(
         network,
         cpu_s_per_byte=max(0.0, n * slope / (2 * (n - 1))),
@@ -538,11 +608,8 @@ def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
         >>> # calibrate_duplex(Network(bandwidth=125e6), "commbench.json").bidirectional_slowdown
     """
     path = Path(commbench_path)
-    try:
-        payload: dict[str, Any] = json.loads(path.read_text())
-        times = {(r["op"], r["bytes"]): r["time_s"] for r in _idle_rows(payload)}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"{path}: not a commbench.json ({error})") from None
+    payload = _load_commbench(path)
+    times = {(r["op"], r["bytes"]): r.get("time_s") for r in _idle_rows(payload)}
     both = {b for op, b in times if op == "exchange"}
     sizes = sorted({b for op, b in times if op == "p2p"} & both)
     if not sizes:
@@ -555,11 +622,7 @@ def calibrate_duplex(network: Network, commbench_path: str | Path) -> Network:
     curve = []
     for size in sizes:
         one_way, both_ways = times[("p2p", size)], times[("exchange", size)]
-        if not (
-            isinstance(one_way, (int, float))
-            and one_way > 0
-            and isinstance(both_ways, (int, float))
-        ):
+        if not (_is_number(one_way) and one_way > 0 and _is_number(both_ways)):
             raise UserError(f"{path}: p2p and exchange times must be positive numbers")
         curve.append((float(one_way), min(2.0, max(1.0, both_ways / one_way))))
     return replace(network, bidirectional_slowdown=curve[-1][1], duplex_curve=tuple(curve))
@@ -584,26 +647,18 @@ def calibrate_wire(network: Network, commbench_path: str | Path) -> Network:
         >>> # calibrate_wire(Network(bandwidth=125e6), "wire/commbench.json").wire_hop_s
     """
     path = Path(commbench_path)
-    try:
-        payload: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in _idle_rows(payload) if r["op"] == "wire"]
-        busiest = _busiest_rows(payload, "wire")
-        ranks = int(payload["world_size"])
-        times = [(r["bytes"], r["time_s"]) for r in rows]
-        cpus = [(r["bytes"], ranks * r["cpu_s"]) for r in busiest or rows]  # per rank → job
-        # The echo's two ranks; the others, if any, wait and count for nothing.
-        serial = [
-            (r["bytes"], ranks / 2 * r["python_cpu_s"])
-            for r in busiest or rows
-            if "python_cpu_s" in r
-        ]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"{path}: not a commbench.json ({error})") from None
-    if len(rows) < 2:
-        raise UserError(
-            f"{path}: needs wire times at two or more sizes; measure them with "
-            "`gradsync commbench --ops wire --sizes 4K,64K,1M,4M`"
-        )
+    payload = _load_commbench(path)
+    rows = [r for r in _idle_rows(payload) if r["op"] == "wire"]
+    busiest = _busiest_rows(payload, "wire")
+    ranks = _world_size(path, payload)
+    times = _points(path, rows, "time_s")
+    cpus = [(b, ranks * c) for b, c in _points(path, busiest or rows, "cpu_s")]  # rank → job
+    # The echo's two ranks; the others, if any, wait and count for nothing.
+    timed = [r for r in busiest or rows if "python_cpu_s" in r]
+    if len({r["bytes"] for r in timed}) > 1:
+        serial = [(b, ranks / 2 * c) for b, c in _points(path, timed, "python_cpu_s")]
+    else:  # not measured (older commbench): no serial work
+        serial = []
     _, time_intercept = _two_regime_line(times)
     cpu_slope, cpu_intercept = _two_regime_line(cpus)
     serial_slope, serial_intercept = _two_regime_line(serial) if len(serial) > 1 else (0, 0)

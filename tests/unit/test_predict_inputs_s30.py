@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from gradsync.cli import main
+from gradsync.commbench import CommbenchConfig
+from gradsync.errors import UserError
 from gradsync.predict.network import Cluster, Network
 from gradsync.predict.simulate import StrategyChoice, predict_step
 from gradsync.strategies.allreduce import AllreduceOptions
@@ -171,3 +173,66 @@ def test_the_recommendation_keeps_the_options_listed(
     argv = ["--profile", str(four_variables), "--strategies", spec, "--workers", "4"]
     (found,) = recommendations_of(argv, tmp_path / "out")
     assert found["default"] == "allreduce:fusion_threshold_mb=0.0"
+
+
+# -- 8/11. a damaged commbench.json for --calibrate is one line naming the file -------------
+
+
+def ring_rows(*sizes_and_times: tuple[object, object], **extra: object) -> list[dict[str, object]]:
+    return [
+        {"op": "allreduce", "bytes": size, "time_s": seconds, **extra}
+        for size, seconds in sizes_and_times
+    ]
+
+
+GOOD_ROWS = ring_rows((4096, 1e-3), (2**20, 2e-2), (2**22, 8e-2))
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        ({"results": ring_rows((4096, 1e-3), (4096, 2e-3))}, "at two or more distinct sizes"),
+        ({"results": ring_rows((4096, 1e-3), (2**20, float("nan")))}, "time_s at 1048576 bytes"),
+        ({"results": ring_rows((4096, 1e-3), (2**20, -1.0))}, "not a finite number > 0"),
+        ({"results": [{"op": "allreduce", "time_s": 1.0}, *GOOD_ROWS]}, "results[0] needs"),
+        ({"results": ring_rows((4096, 1e-3), (2**20, 2e-2), cpu_s=None)}, "cpu_s at 4096"),
+        ({"results": "allreduce"}, "no list of results"),
+        ({"results": GOOD_ROWS, "bandwidth": "fast"}, "bandwidth 'fast' is not a rate"),
+        ({"results": GOOD_ROWS, "world_size": "2"}, "world_size is '2'"),
+    ],
+)
+def test_a_damaged_calibration_is_one_line_naming_the_file(
+    payload: dict[str, object],
+    words: str,
+    profile_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One size passed (slope 0); NaN and negative times were taken; a missing bytes key, a
+    null cpu_s or a string of results was a traceback; a bad bandwidth was the flag's."""
+    path = tmp_path / "commbench.json"
+    path.write_text(json.dumps({"world_size": 2, **payload}))
+    argv = ["predict", "--profile", str(profile_file), "--calibrate", str(path), *FAST_2]
+    refused([*argv, "--out", str(tmp_path / "out")], capsys, f"--calibrate {path}: ", words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sound_calibration_is_taken(
+    profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "commbench.json"
+    path.write_text(json.dumps({"world_size": 2, "bandwidth": "1gbit", "results": GOOD_ROWS}))
+    argv = ["predict", "--profile", str(profile_file), "--calibrate", str(path), *FAST_2]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [({"sizes": (4096, 4096)}, "--sizes lists 4096 more"), ({"busy_ms": (1.0, 1.0)}, "--busy-ms")],
+)
+def test_commbench_refuses_a_size_or_busy_time_given_twice(
+    options: dict[str, tuple[float, ...]], words: str
+) -> None:
+    """--sizes 4K,4K measured one size twice: a calibration from it has no slope."""
+    with pytest.raises(UserError, match=words):
+        CommbenchConfig(workers=2, **options)  # type: ignore[arg-type]
