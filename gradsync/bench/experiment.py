@@ -348,7 +348,37 @@ def load_experiment(path: str | Path) -> Experiment:
             f"{where}: the matrix has no cells: single runs only with 1 worker, and workers = "
             f"{experiment.workers}; add 1 to workers or another strategy to strategies"
         )
+    check_steps_and_batches(experiment, where)
     return experiment
+
+
+def check_steps_and_batches(experiment: Experiment, where: str) -> None:
+    """UserError, naming the file's keys, for what every cell's job would refuse naming
+    ``train``'s flags: warm-up steps that leave none to measure, a global batch that does
+    not divide by a cell's workers.
+
+    Example:
+        >>> check_steps_and_batches(Experiment(name="x", path="x.toml", steps=4,
+        ...                                    measure_warmup=4), "x.toml")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: x.toml: measure_warmup = 4 leaves none of steps = 4 to ...
+    """
+    warmup, steps = experiment.measure_warmup, experiment.steps
+    if warmup is not None and warmup >= steps:
+        raise UserError(
+            f"{where}: measure_warmup = {warmup} leaves none of steps = {steps} to measure; "
+            "lower measure_warmup or raise steps"
+        )
+    for cell in experiment.cells():
+        batch = cell.global_batch
+        if batch is not None and batch % cell.workers:
+            lcm = math.lcm(*experiment.workers)
+            raise UserError(
+                f"{where}: global_batch {batch} does not divide by workers {cell.workers} "
+                f"(each worker takes an equal share); list multiples of every worker count, "
+                f"e.g. {lcm * math.ceil(batch / lcm)}, or use batch_per_worker"
+            )
 
 
 def check_bounds(experiment: Experiment, where: str) -> None:

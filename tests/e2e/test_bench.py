@@ -161,6 +161,15 @@ BAD_FILES = {
         'models = ["mnist-cnn"]\nstrategies = ["ddp"]\n[sweep.ps]\nservers = [1, 2]\n',
         "[sweep.ps] is for 'ps', which is not in strategies (ddp)",
     ),
+    "warm-up leaves no steps": (  # named as the file's keys, not as train's flags
+        'models = ["mnist-cnn"]\nsteps = 4\nmeasure_warmup = 4\n',
+        "measure_warmup = 4 leaves none of steps = 4 to measure",
+    ),
+    "batch not divisible": (
+        'models = ["mnist-cnn"]\nworkers = [1, 2]\nglobal_batch = [4, 3]\n',
+        "bad.toml: global_batch 3 does not divide by workers 2",
+        "e.g. 4",
+    ),
     "options of a strategy not run": (
         'models = ["mnist-cnn"]\nstrategies = ["ddp"]\n[options.p3]\nslice_size = 100\n',
         "[options.p3] is for 'p3', which is not in strategies (ddp)",
