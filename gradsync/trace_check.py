@@ -53,6 +53,8 @@ def check_events(path: Path, events: list[Any]) -> list[int]:
         where = f"{event['ph']} on pid {track[0]}, tid {track[1]}"
         if event["ph"] != "E" and not isinstance(event.get("name"), str):
             raise UserError(f"{path}: event {index} ({where}) has no name; {_FIX}")
+        if event["ph"] != "E":
+            _check_span_args(path, index, event)
         if event["ph"] == "B":
             open_spans[track].append((index, event))
         elif event["ph"] == "E":
@@ -80,6 +82,40 @@ def check_events(path: Path, events: list[Any]) -> list[int]:
 
 def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What the summary reads from a span's args, and what each must be.
+SPAN_ARGS = {
+    "step": ("a whole number", _whole),
+    "bytes": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
+    "tensor": ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _check_span_args(path: Path, index: int, event: dict[str, Any]) -> None:
+    """A span's ``args`` is an object, and its ``step``, ``bytes`` and ``tensor`` (when
+    there) have the types the summary reads (a hand-edited ``bytes = "lots"`` would be a
+    ValueError there, a list ``tensor`` a TypeError).
+
+    Example:
+        >>> span = {"ph": "B", "name": "PUSH", "pid": 0, "tid": 1, "ts": 0,
+        ...         "args": {"bytes": "lots"}}
+        >>> _check_span_args(Path("t.json"), 4, span)
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: t.json: event 4 (B PUSH) has args.bytes 'lots', not a whole ...
+    """
+    args = event.get("args", {})
+    where = f"{path}: event {index} ({event['ph']} {event['name']})"
+    if not isinstance(args, dict):
+        raise UserError(f"{where} has args {args!r:.40}, not an object; {_FIX}")
+    for key, (kind, valid) in SPAN_ARGS.items():
+        if key in args and not valid(args[key]):
+            raise UserError(f"{where} has args.{key} {args[key]!r:.40}, not {kind}; {_FIX}")
 
 
 def _check_metadata(path: Path, index: int, event: dict[str, Any]) -> None:
