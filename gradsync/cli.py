@@ -441,10 +441,6 @@ def _timestamped(prefix: str) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gradsync.jobs import check_every_host_used, run_job, validate
-    from gradsync.rundir import check_writable
-    from gradsync.runtime import run_rank
-    from gradsync.strategies import strategy_class
     from gradsync.topology import check_slurm_step, detect_environment
 
     env = detect_environment(master_addr=args.master_addr, master_port=args.master_port)
@@ -466,7 +462,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         strategy_options=_strategy_options(args.strategy, args),
         resume=bool(args.resume),
-        out=args.resume or args.out or _default_out(args.strategy, env, args.nnodes),
         deterministic=args.deterministic,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
@@ -474,18 +469,35 @@ def cmd_train(args: argparse.Namespace) -> int:
         timeline_steps=args.timeline_steps,
     )
     if env is None or env.launcher == "gradsync":
-        config = _config(args, workers=args.workers or 1, **common)
-        check_every_host_used(config)
-        summary = run_job(config, quiet=False, overwrite=args.overwrite)
-        if config.launch.node_rank != 0:
-            print(f"node {config.launch.node_rank}: done; node 0 writes the results in its --out")
-            return EXIT_OK
-        print(
-            f"{config.strategy} × {config.workers} workers: "
-            f"{summary['throughput']['median']:,.1f} samples/s; results in {config.out}"
-        )
+        return _train_here(args, common)
+    return _train_as_a_rank(args, env, common)
+
+
+def _train_here(args: argparse.Namespace, common: dict[str, object]) -> int:
+    """gradsync's own launcher: this node's ranks as local processes."""
+    from gradsync.jobs import check_every_host_used, run_job
+
+    out = args.resume or args.out or _default_out(args.strategy, None, args.nnodes)
+    config = _config(args, workers=args.workers or 1, out=out, **common)
+    check_every_host_used(config)
+    summary = run_job(config, quiet=False, overwrite=args.overwrite)
+    if config.launch.node_rank != 0:
+        print(f"node {config.launch.node_rank}: done; node 0 writes the results in its --out")
         return EXIT_OK
-    # Under torchrun / srun / mpirun: this process is one rank of the launcher's job.
+    print(
+        f"{config.strategy} × {config.workers} workers: "
+        f"{summary['throughput']['median']:,.1f} samples/s; results in {config.out}"
+    )
+    return EXIT_OK
+
+
+def _train_as_a_rank(args: argparse.Namespace, env: RankEnv, common: dict[str, object]) -> int:
+    """Under torchrun / srun / mpirun: this process is one rank of the launcher's job."""
+    from gradsync.jobs import validate
+    from gradsync.rundir import check_writable
+    from gradsync.runtime import run_rank
+    from gradsync.strategies import strategy_class
+
     if args.hosts:
         raise UserError(f"--hosts emulates hosts under gradsync's own launcher, not {env.launcher}")
     servers = strategy_class(args.strategy).num_server_ranks
@@ -498,6 +510,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{workers} with strategy '{args.strategy}' needs {expected}; "
             "match the launcher's process count"
         )
+    config = config.replace(
+        out=args.resume or args.out or _default_out(args.strategy, env, args.nnodes)
+    )
     validate(config, one_rank=True)
     if env.rank == 0:
         _claim_for_the_ranks(config, env, overwrite=args.overwrite)
@@ -632,6 +647,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
     from gradsync.commbench import DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, DEFAULT_OPS, OPS
 
+    def warmup_iterations(text: str) -> int:
+        """--warmup: at least 1, unlike profile's: commbench always runs each size once,
+        untimed, to fit the timed iterations into its time budget."""
+        try:
+            return _positive_int(text)
+        except argparse.ArgumentTypeError:
+            if text.strip().lstrip("-").isdigit():  # a whole number below 1
+                raise argparse.ArgumentTypeError(
+                    f"{text} warm-up iterations: commbench always runs at least 1 (its first "
+                    "run of each size sets how many timed iterations fit the time budget); "
+                    "give --warmup 1 or more"
+                ) from None
+            raise
+
     bench = commands.add_parser(
         "commbench",
         help="collective bandwidth vs message size (nccl-tests style)",
@@ -649,7 +678,12 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-bytes", default=str(DEFAULT_MAX_BYTES), help="e.g. 256M (default)")
     bench.add_argument("--factor", type=int, default=2, choices=[2, 4], help="size step")
     bench.add_argument("--sizes", help="explicit sizes instead of the sweep, e.g. 1M,16M")
-    bench.add_argument("--warmup", type=_positive_int, default=5, help="warm-up iterations")
+    bench.add_argument(
+        "--warmup",
+        type=warmup_iterations,
+        default=5,
+        help="warm-up iterations (at least 1: the first also sizes the timed ones; default 5)",
+    )
     bench.add_argument("--iters", type=_positive_int, default=20, help="timed iterations")
     bench.add_argument(
         "--time-budget",
