@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gradsync.predict.network import Network
     from gradsync.predict.profile import Profile
     from gradsync.predict.simulate import StrategyChoice
+    from gradsync.predict.sweep import GridPoint, Recommendation
 
 DEFAULT_STRATEGIES = "ddp,allreduce,ps,hybrid,p3"
 DEFAULT_WORKERS = "1,2,4,8,16,32,64"
@@ -407,20 +408,38 @@ def _run_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out or keys.text("out", f"results/{path.stem}", example='"results/x"'))
     options = _predict_options(args)
     missing = _missing_profiles(keys, profiles, preset)
+    # Every model with a profile is predicted before out is claimed, every other one as soon
+    # as it is measured, and nothing is written until all are: no half-written experiment.
+    predicted = {
+        model: _predict_model(path, model, Profile.load(file), options, args)
+        for model, file in profiles.items()
+        if model not in missing
+    }
     inputs = [path, *profiles.values(), *_calibration_of(args)]
     claim_run_dir(out, overwrite=args.overwrite, inputs=inputs)
     for model, profile in missing.items():  # after the claim: it may lie under out
         claim_output_file(profile, overwrite=False, flag=f"{path}: profiles.{model}")
+    for model, profile in missing.items():
+        request = ProfileRequest(model=model, preset=preset, batch=batch)
+        print(f"profiling {model} ({request.preset}) into {profile}")
+        measure_profile(request).save(profile)
+        predicted[model] = _predict_model(path, model, Profile.load(profile), options, args)
     record = {"experiment": str(path), "profiles": profiles}
     atomic_write_text(out / EXPERIMENT_RECORD, json.dumps(record, indent=1) + "\n")
-    for model, profile in profiles.items():
-        if model in missing:
-            request = ProfileRequest(model=model, preset=preset, batch=batch)
-            print(f"profiling {model} ({request.preset}) into {profile}")
-            measure_profile(request).save(Path(profile))
+    for model in profiles:
         claim_run_dir(out / model, overwrite=False)
-        _predict_into(out / model, Profile.load(profile), options, args)
+        _write_predicted(out / model, predicted[model])
     return EXIT_OK
+
+
+def _predict_model(
+    path: Path, model: str, profile: Profile, options: _PredictOptions, args: argparse.Namespace
+) -> _Predicted:
+    """:func:`_predict` for one model of the experiment ``path``; its error names the model."""
+    try:
+        return _predict(profile, options, args)
+    except UserError as error:
+        raise UserError(f"{path}: profiles.{model}: {error}") from None
 
 
 def _calibration_of(args: argparse.Namespace) -> list[str]:
@@ -496,19 +515,27 @@ def cmd_predict(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     options = _predict_options(args)
     out = Path(args.out or f"runs/predict-{time.strftime('%Y%m%d-%H%M%S')}")
+    predicted = _predict(profile, options, args)  # a profile that cannot be modelled: no out
     claim_run_dir(out, overwrite=args.overwrite, inputs=[args.profile, *_calibration_of(args)])
-    _predict_into(out, profile, options, args)
+    _write_predicted(out, predicted)
     return EXIT_OK
 
 
-def _predict_into(
-    out: Path, measured: Profile, options: _PredictOptions, args: argparse.Namespace
-) -> None:
-    """Simulate ``options`` from the profile ``measured``; print and write to ``out``."""
+@dataclass(frozen=True, kw_only=True)
+class _Predicted:
+    """One profile's predictions, computed and not yet written."""
+
+    profile: Profile
+    points: list[GridPoint]
+    recommendations: list[Recommendation]
+    settings: dict[str, Any]
+
+
+def _predict(measured: Profile, options: _PredictOptions, args: argparse.Namespace) -> _Predicted:
+    """Simulate ``options`` from the profile ``measured``; nothing is written (a profile no
+    configuration can be modelled for is a UserError before any output)."""
     from gradsync.predict.network import Cluster
-    from gradsync.predict.report import HEADERS, recommendation_lines, table_rows, write_outputs
     from gradsync.predict.sweep import predict_grid, recommend
-    from gradsync.tables import print_table
 
     profile = measured.with_compute_speedup(options.compute_speedup)
     networks, workers, shared = options.networks, options.workers, options.shared_cores
@@ -565,7 +592,18 @@ def _predict_into(
         "refused": refused,
         "predict_seconds": elapsed,
     }
-    write_outputs(out, profile, points, recommendations, settings)
+    return _Predicted(
+        profile=profile, points=points, recommendations=recommendations, settings=settings
+    )
+
+
+def _write_predicted(out: Path, predicted: _Predicted) -> None:
+    """Write ``predicted`` to the claimed folder ``out`` and print its table."""
+    from gradsync.predict.report import HEADERS, recommendation_lines, table_rows, write_outputs
+    from gradsync.tables import print_table
+
+    profile, points, settings = predicted.profile, predicted.points, predicted.settings
+    write_outputs(out, profile, points, predicted.recommendations, settings)
     print_table(
         f"predicted steady-state steps: {profile.model} ({profile.preset}), batch "
         f"{profile.batch}/worker, profiled with {profile.threads} thread(s) on {profile.device}",
@@ -576,11 +614,11 @@ def _predict_into(
         "efficiency: samples/s ÷ (workers × one worker without communication); exposed: "
         "share of the step spent waiting for communication"
     )
-    for line in refused:
+    for line in settings["refused"]:
         print(f"left out (gradsync refuses it): {line}")
-    for line in recommendation_lines(recommendations):
+    for line in recommendation_lines(predicted.recommendations):
         print(f"recommended: {line}")
-    print(f"{len(points)} predictions in {elapsed:.2f} s; results in {out}")
+    print(f"{len(points)} predictions in {settings['predict_seconds']:.2f} s; results in {out}")
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -236,3 +236,28 @@ def test_commbench_refuses_a_size_or_busy_time_given_twice(
     """--sizes 4K,4K measured one size twice: a calibration from it has no slope."""
     with pytest.raises(UserError, match=words):
         CommbenchConfig(workers=2, **options)  # type: ignore[arg-type]
+
+
+# -- 9. an experiment writes nothing until every model is predicted ------------------------
+
+
+def test_an_experiment_writes_nothing_when_a_later_model_cannot_be_modelled(
+    profile_file: Path,
+    four_variables: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Model a was written, b's folder left empty (a rerun refused), and the error did
+    not name b."""
+    profiles = f'profiles = {{ a = "{four_variables}", b = "{profile_file}" }}'
+    path = experiment_file(tmp_path, profile_file, profiles, 'strategies = ["ps:servers=2"]')
+    refused(["predict", "--experiment", str(path)], capsys, f"{path}: profiles.b: ")
+    assert not (tmp_path / "exp").exists()
+
+
+def test_a_profile_that_cannot_be_modelled_leaves_no_out(
+    profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["predict", "--profile", str(profile_file), "--strategies", "ps:servers=2", *FAST_2]
+    refused([*argv, "--out", str(tmp_path / "out")], capsys, "no configuration can be modelled")
+    assert not (tmp_path / "out").exists()
