@@ -423,6 +423,49 @@ def check_profile_fields(raw: dict[str, Any], source: str) -> None:
             _refuse(source, f"variables[{index}].layer", variable["layer"], where)
         if variable.get("sparse") and not variable.get("num_rows"):
             _refuse(source, f"variables[{index}].num_rows", 0, "≥ 1 for a sparse variable")
+    _check_values(raw, source)
+    _check_within_step(raw, source)
+
+
+# Values a profile's fields take: what `gradsync profile` and the simulator know.
+KNOWN_VALUES: dict[str, tuple[Any, ...]] = {
+    "device": ("cpu", "cuda"),
+    "dtype": ("float16", "bfloat16", "float32", "float64"),
+    "batchnorm": BATCHNORM_MODES,
+}
+ELEMENT_SIZES = (1, 2, 4, 8)  # bytes of a tensor element torch has
+
+
+def _check_values(raw: dict[str, Any], source: str) -> None:
+    """Each of :data:`KNOWN_VALUES` one it lists, every element size one of
+    :data:`ELEMENT_SIZES`, and each variable's name given once."""
+    for key, known in KNOWN_VALUES.items():
+        if key in raw and raw[key] not in known:
+            _refuse(source, key, raw[key], f"one of {', '.join(map(str, known))}")
+    names: set[str] = set()
+    for index, variable in enumerate(raw["variables"]):
+        size = variable.get("element_size")
+        if size not in ELEMENT_SIZES:
+            _refuse(source, f"variables[{index}].element_size", size, "1, 2, 4 or 8 bytes")
+        if variable.get("name") in names:
+            _refuse(source, f"variables[{index}].name", variable["name"], "a name given once")
+        names.add(variable.get("name"))
+
+
+def _check_within_step(raw: dict[str, Any], source: str) -> None:
+    """Each layer starts within forward, each gradient is ready within backward and a
+    sparse variable touches at most its rows."""
+    for index, layer in enumerate(raw["layers"]):
+        if layer.get("forward_start_s", 0.0) > raw.get("forward_s", math.inf):
+            where = f"within forward_s ({raw['forward_s']} s)"
+            _refuse(source, f"layers[{index}].forward_start_s", layer["forward_start_s"], where)
+    for index, variable in enumerate(raw["variables"]):
+        if variable.get("grad_ready_s", 0.0) > raw.get("backward_s", math.inf):
+            where = f"within backward_s ({raw['backward_s']} s)"
+            _refuse(source, f"variables[{index}].grad_ready_s", variable["grad_ready_s"], where)
+        if variable.get("rows_touched", 0.0) > variable.get("num_rows", 0):
+            where = f"at most num_rows ({variable.get('num_rows', 0)})"
+            _refuse(source, f"variables[{index}].rows_touched", variable["rows_touched"], where)
 
 
 def _check_fields(raw: dict[str, Any], kind: type, source: str, *, prefix: str) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,4 +262,45 @@ def test_a_profile_that_cannot_be_modelled_leaves_no_out(
 ) -> None:
     argv = ["predict", "--profile", str(profile_file), "--strategies", "ps:servers=2", *FAST_2]
     refused([*argv, "--out", str(tmp_path / "out")], capsys, "no configuration can be modelled")
+    assert not (tmp_path / "out").exists()
+
+
+# -- 10, 18. profile fields that disagree with each other: one line, no --out -------------
+
+
+def two_variables() -> dict[str, Any]:
+    """A sound profile as JSON: two variables in one layer."""
+    profile = profile_of([variable("w", 1000, 0.5), variable("b", 10, 1.0)])
+    return json.loads(profile.to_json())
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda p: p["variables"][0].update(element_size=3), "element_size = 3"),
+        (lambda p: p["variables"][1].update(grad_ready_s=2.5), "grad_ready_s = 2.5"),
+        (lambda p: p["layers"][0].update(forward_start_s=1.5), "forward_start_s = 1.5"),
+        (lambda p: p["variables"][1].update(name="w"), 'variables[1].name = "w"'),
+        (
+            lambda p: p["variables"][0].update(sparse=True, num_rows=10, rows_touched=11.0),
+            "rows_touched = 11.0 is not at most num_rows (10)",
+        ),
+        (lambda p: p.update(dtype="float12"), 'dtype = "float12"'),
+        (lambda p: p.update(device="tpu"), 'device = "tpu"'),
+        (lambda p: p.update(batchnorm="sync"), 'batchnorm = "sync"'),
+    ],
+)
+def test_a_profile_whose_fields_disagree_is_one_line(
+    change: Callable[[dict[str, Any]], None],
+    words: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """element_size 3 was a KeyError in the simulator that left an empty --out."""
+    raw = two_variables()
+    change(raw)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(raw))
+    argv = ["predict", "--profile", str(path), "--strategies", "allreduce", *FAST_2]
+    refused([*argv, "--out", str(tmp_path / "out")], capsys, str(path), words)
     assert not (tmp_path / "out").exists()
