@@ -1,7 +1,9 @@
 """``gradsync timeline summarize``: where each step's time went, from a Chrome trace.
 
 Per rank, each step (its ``STEP`` span) splits into four parts that add up to the step time
-(the table shows means over steps):
+(the table shows means over the steps after warm-up, which throughput leaves out too:
+the job's ``measure_warmup`` when the trace records it, else gradsync's default for its
+steps; every step when the trace holds warm-up steps only):
 
 * **compute** — the FORWARD, BACKWARD and OPTIMIZER_STEP spans of the training thread,
   less the waits and copies that happen inside them;
@@ -36,6 +38,7 @@ from typing import Any
 
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_text
+from gradsync.stats import default_warmup
 from gradsync.tables import print_table
 from gradsync.trace import (
     COMPUTE_PHASES,
@@ -105,6 +108,8 @@ class TraceSummary:
     top_tensors: list[dict[str, Any]]
     slowest_steps: list[dict[str, Any]]
     steps: list[StepBreakdown] = field(repr=False)
+    # The ranks' means leave out steps below this (warm-up, as throughput does); 0: none.
+    warmup_steps: int = 0
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -346,12 +351,20 @@ def summarize_trace(path: Path) -> TraceSummary:
     steps: list[StepBreakdown] = []
     ranks: list[RankSummary] = []
     channels: list[Span] = []
+    by_rank: dict[int, list[StepBreakdown]] = {}
     for pid in sorted({pid for pid, _ in spans}):
         mine = _rank_spans(spans, pid)
         own = [break_down_step(pid, s, mine) for s in mine.compute if s.name == Phase.STEP]
+        by_rank[pid] = own
         steps += own
         channels += mine.channels
-        ranks.append(summarize_rank(pid, process_names.get(pid, f"rank {pid}"), own, mine))
+    warmup = warmup_of(trace.get("otherData", {}))
+    if not any(s.step >= warmup for s in steps):  # the window records warm-up steps only
+        warmup = 0
+    for pid, own in by_rank.items():
+        measured = [s for s in own if s.step >= warmup]
+        mine = _rank_spans(spans, pid)
+        ranks.append(summarize_rank(pid, process_names.get(pid, f"rank {pid}"), measured, mine))
     slowest = sorted(steps, key=lambda s: -s.step_ms)[:SLOWEST_STEPS]
     return TraceSummary(
         path=str(path),
@@ -360,7 +373,27 @@ def summarize_trace(path: Path) -> TraceSummary:
         top_tensors=_top_tensors(channels),
         slowest_steps=[{"rank": s.rank, "step": s.step, "step_ms": s.step_ms} for s in slowest],
         steps=steps,
+        warmup_steps=warmup,
     )
+
+
+def warmup_of(other_data: dict[str, Any]) -> int:
+    """The warm-up steps of the job a trace recorded, as its throughput leaves them out: its
+    ``measure_warmup`` when the trace names it, else gradsync's default for its steps.
+
+    Example:
+        >>> warmup_of({"steps": 6}), warmup_of({"steps": 100}), warmup_of({"steps": 6,
+        ...                                                               "measure_warmup": 1})
+        (5, 10, 1)
+        >>> warmup_of({})  # not recorded: every step counts
+        0
+    """
+    given, steps = other_data.get("measure_warmup"), other_data.get("steps")
+    if isinstance(given, int) and not isinstance(given, bool) and given >= 0:
+        return given
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+        return default_warmup(steps)
+    return 0
 
 
 def _mean(values: Any) -> float:
@@ -385,8 +418,14 @@ def print_summary(summary: TraceSummary) -> None:
         ]
         for r in summary.ranks
     ]
+    counted = (
+        f"steps from {summary.warmup_steps} on; the {summary.warmup_steps} warm-up steps "
+        "before are left out, as throughput leaves them out"
+        if summary.warmup_steps
+        else "every recorded step"
+    )
     print_table(
-        f"{summary.strategy}: mean step breakdown (ms) — {summary.path}",
+        f"{summary.strategy}: mean step breakdown (ms) over {counted} — {summary.path}",
         [
             "rank",
             "role",
