@@ -73,6 +73,9 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["train", "--out", ""], "--out: '' names no path"),
         (["bench", "x.toml", "--out", " "], "--out: ' ' names no path"),
         (["predict", "--out", ""], "--out: '' names no path"),
+        # said only "not a positive integer" while profile takes a warm-up of 0 (probe 30b)
+        (["commbench", "--warmup", "0"], "commbench always runs at least 1"),
+        (["commbench", "--warmup", "x"], "'x' is not an integer"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(capsys, argv, mentions):
