@@ -444,7 +444,7 @@ def _check_values(raw: dict[str, Any], source: str) -> None:
             _refuse(source, key, raw[key], f"one of {', '.join(map(str, known))}")
     names: set[str] = set()
     for index, variable in enumerate(raw["variables"]):
-        size = variable.get("element_size")
+        size = variable.get("element_size", ELEMENT_SIZES[0])  # a missing one: refused later
         if size not in ELEMENT_SIZES:
             _refuse(source, f"variables[{index}].element_size", size, "1, 2, 4 or 8 bytes")
         if variable.get("name") in names:
