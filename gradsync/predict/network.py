@@ -53,21 +53,30 @@ def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
 
 def parse_latency(text: str, option: str = "--latency") -> float:
     """A duration such as ``25us``, ``0.5ms`` or ``0`` as seconds (``option`` names it in
-    errors).
+    errors). A number other than 0 needs its unit, as a ``--bandwidth`` does: ``25`` could
+    be seconds or microseconds.
 
     Example:
         >>> round(parse_latency("25us") * 1e6, 9), parse_latency("0.5ms"), parse_latency("0")
         (25.0, 0.0005, 0.0)
+        >>> parse_latency("25")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --latency '25' has no unit; write e.g. 25us, 25ms or 25s
     """
     stripped = text.strip().lower()
     number = stripped.rstrip("smun\u00b5")
-    unit = stripped[len(number) :] or "s"
+    unit = stripped[len(number) :]
     try:
-        value = float(number) * _TIME_UNITS[unit]
+        value = float(number) * _TIME_UNITS[unit or "s"]
     except (ValueError, KeyError):
         raise UserError(
             f"{option} {text!r} is not a duration; write e.g. 25us, 0.5ms or 0"
         ) from None
+    if not unit and value != 0:
+        raise UserError(
+            f"{option} {text!r} has no unit; write e.g. {number}us, {number}ms or {number}s"
+        )
     if not 0 <= value < math.inf:  # nan, a negative or an infinite wait: no step ends
         raise UserError(f"{option} must be a finite duration >= 0, got {text}; write e.g. 25us")
     return value

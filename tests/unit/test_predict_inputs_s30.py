@@ -304,3 +304,22 @@ def test_a_profile_whose_fields_disagree_is_one_line(
     argv = ["predict", "--profile", str(path), "--strategies", "allreduce", *FAST_2]
     refused([*argv, "--out", str(tmp_path / "out")], capsys, str(path), words)
     assert not (tmp_path / "out").exists()
+
+
+# -- 18. a latency needs its unit, as a bandwidth does -------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--latency", "25"), ("--queue", "50")])
+def test_a_duration_without_a_unit_is_refused(
+    flag: str, value: str, profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--latency 25 meant 25 seconds where --bandwidth 100 is refused for lacking a unit."""
+    argv = ["predict", "--profile", str(profile_file), flag, value, *FAST_2]
+    refused([*argv, "--out", str(tmp_path / "out")], capsys, f"{flag} '{value}' has no unit")
+
+
+def test_a_zero_latency_needs_no_unit(
+    profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["predict", "--profile", str(profile_file), "--latency", "0", *FAST_2]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
