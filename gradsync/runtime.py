@@ -250,7 +250,7 @@ def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: Timeline) -> N
         count = merge_rank_files(
             out,
             Path(config.timeline),
-            {**run.meta, "steps": config.steps},
+            {**run.meta, "steps": config.steps, "measure_warmup": config.measure_warmup},
             world_size=env.world_size,
         )
         print(f"[rank 0] timeline: {count} events in {config.timeline}", flush=True)

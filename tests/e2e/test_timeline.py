@@ -63,6 +63,8 @@ def test_trace_is_valid_and_bounded_by_the_window(strategy: str, workdir: Path) 
     )
     assert result.returncode == 0, result.stderr
     trace = _check_trace(trace_path, range(3, 7))
+    # What summarize needs to leave the warm-up out as the run did (None: the default).
+    assert trace["otherData"]["steps"] == 10 and "measure_warmup" in trace["otherData"]
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert "compute" in names
     phases = {e["name"].split(":")[0] for e in trace["traceEvents"] if e["ph"] == "B"}
