@@ -46,6 +46,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,8 +330,7 @@ def run_validation(plan: ValidationPlan, out: Path) -> dict[str, Any]:
                 if plan.repeats > 1:
                     cell["round"] = round_
                 done[(cell_id, round_)] = cell
-                with log.open("a") as handle:
-                    handle.write(json.dumps(cell) + "\n")
+                _append_cell(log, cell)
                 print(_cell_line(cell), flush=True)
                 before = after
     return summarize_measured(plan, out)
@@ -423,9 +423,39 @@ def _repredict(plan: ValidationPlan, cell: dict[str, Any], out: Path) -> dict[st
 
 
 def _read_cells(log: Path) -> list[dict[str, Any]]:
+    """Every complete run in ``log``, in the order measured. A line that is not a JSON
+    record with an ``id`` (cut short when a validation was killed) is skipped with a
+    warning, as ``gradsync bench`` skips one: its cell counts as not measured.
+
+    Example:
+        >>> # _read_cells(Path("results/predict-validation/cells.jsonl"))[0]["id"]
+    """
     if not log.is_file():
         return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    cells = []
+    for number, line in enumerate(log.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            cell = json.loads(line)
+        except ValueError:
+            cell = None
+        if not isinstance(cell, dict) or "id" not in cell:
+            print(
+                f"gradsync: warning: {log} line {number} is not a complete record "
+                f"({line[:40]!r}…); skipped, its cell counts as not measured",
+                file=sys.stderr,
+            )
+            continue
+        cells.append(cell)
+    return cells
+
+
+def _append_cell(log: Path, cell: dict[str, Any]) -> None:
+    """Add ``cell`` to ``log`` as one line, on a line of its own after one cut short."""
+    cut_short = log.is_file() and not log.read_bytes().endswith(b"\n") and log.stat().st_size
+    with log.open("a") as handle:
+        handle.write(("\n" if cut_short else "") + json.dumps(cell) + "\n")
 
 
 def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:

@@ -323,3 +323,20 @@ def test_a_zero_latency_needs_no_unit(
 ) -> None:
     argv = ["predict", "--profile", str(profile_file), "--latency", "0", *FAST_2]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+
+
+# -- 13. a validation resumes past a line cut short ----------------------------------------
+
+
+def test_a_validation_log_cut_short_is_skipped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A killed validation's half-written last line was a JSONDecodeError on resume."""
+    from gradsync.predict.validate import _append_cell, _read_cells
+
+    log = tmp_path / "cells.jsonl"
+    log.write_text(json.dumps({"id": "a", "status": "ok"}) + '\n{"id": "b", "sta')
+    assert [cell["id"] for cell in _read_cells(log)] == ["a"]
+    assert "line 2 is not a complete record" in capsys.readouterr().err
+    _append_cell(log, {"id": "b", "status": "ok"})  # the rerun measures b again
+    assert [cell["id"] for cell in _read_cells(log)] == ["a", "b"]
