@@ -165,10 +165,15 @@ def load_plan(path: str | Path) -> ValidationPlan:
     )
     if not plan.models:
         raise UserError(f'{path}: no [[model]] tables; add one with name = "transformer"')
+    _check_lists(plan, path)
     _check_calibrate(plan.calibrate, path)
     check_shared_cores(plan.shared_cores, f"{path}: shared_cores")
+    if plan.workers < 2:
+        raise UserError(
+            f"{path}: workers = {plan.workers} measures no communication; write workers = 2"
+        )
     for spec in plan.strategies:
-        parse_choice(spec, plan.workers)
+        _check_hosts(plan, spec, parse_choice(spec, plan.workers), path)
     for model in plan.models:
         _check_batch(plan, model, path)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
@@ -183,6 +188,41 @@ def load_plan(path: str | Path) -> ValidationPlan:
 
 
 COUNTS = ("workers", "hosts", "steps", "threads", "profile_steps", "global_batch", "repeats")
+
+
+def _check_lists(plan: ValidationPlan, path: Path) -> None:
+    """Strategies and bandwidths (the plan's and each model's) non-empty and each listed
+    once, and each model (name, preset and options) once; else a one-line UserError."""
+    lists = {"strategies": plan.strategies}
+    if plan.bandwidths or any(model.bandwidths is None for model in plan.models):
+        lists["bandwidths"] = plan.bandwidths  # some model is measured at the plan's
+    for model in plan.models:
+        if model.bandwidths is not None:
+            lists[f"[[model]] {model.name}: bandwidths"] = model.bandwidths
+    lists["[[model]]"] = tuple(model.label for model in plan.models)
+    for key, values in lists.items():
+        if not values:
+            raise UserError(f"{path}: {key} is empty; list at least one, or leave the key out")
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise UserError(
+                f"{path}: {key} lists {', '.join(twice)} more than once; list each once"
+            )
+
+
+def _check_hosts(plan: ValidationPlan, spec: str, choice: StrategyChoice, path: Path) -> None:
+    """Every emulated host gets a rank of ``spec``'s jobs (workers, then dedicated servers),
+    else a one-line UserError."""
+    servers = (
+        choice.options.extra_ranks(plan.workers) if hasattr(choice.options, "extra_ranks") else 0
+    )
+    ranks = plan.workers + servers
+    if plan.hosts > ranks:
+        raise UserError(
+            f"{path}: hosts = {plan.hosts} leaves a host without a rank for {spec} "
+            f"({plan.workers} workers, {servers} dedicated servers); write hosts = {ranks} or "
+            "fewer, or more workers"
+        )
 
 
 def _model_entry(keys: TomlKeys) -> ModelEntry:

@@ -340,3 +340,47 @@ def test_a_validation_log_cut_short_is_skipped_with_a_warning(
     assert "line 2 is not a complete record" in capsys.readouterr().err
     _append_cell(log, {"id": "b", "status": "ok"})  # the rerun measures b again
     assert [cell["id"] for cell in _read_cells(log)] == ["a", "b"]
+
+
+# -- 15. a validation plan that would measure nothing, or a host without a rank ------------
+
+
+@pytest.mark.parametrize(
+    ("lines", "words"),
+    [
+        ("strategies = []", "strategies is empty"),
+        ('bandwidths = ["1gbit", "1gbit"]', "bandwidths lists 1gbit more than once"),
+        ("workers = 1", "workers = 1 measures no communication"),
+        ("hosts = 5", "hosts = 5 leaves a host without a rank for ddp"),
+        ('strategies = ["hybrid:colocate"]\nhosts = 3', "hosts = 3 leaves a host"),
+        ('strategies = ["ddp", "ddp"]', "strategies lists ddp more than once"),
+    ],
+)
+def test_a_validation_plan_that_measures_nothing_is_one_line(
+    lines: str, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each was accepted: [] ran nothing (exit 0), 5 hosts for 2 workers, 1 worker."""
+    keys = {"strategies": '["ddp"]', "bandwidths": '["1gbit"]', "workers": "2"}
+    keys.update(line.split(" = ", 1) for line in lines.splitlines())  # type: ignore[misc]
+    text = "".join(f"{key} = {value}\n" for key, value in keys.items())
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text + '[[model]]\nname = "mnist-cnn"\n')
+    argv = ["predict", "--validate", str(plan), "--out", str(tmp_path / "v")]
+    refused(argv, capsys, str(plan), words)
+    assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize(
+    ("models", "words"),
+    [
+        ('[[model]]\nname = "mnist-cnn"\nbandwidths = []\n', "mnist-cnn: bandwidths is empty"),
+        ('[[model]]\nname = "mnist-cnn"\n' * 2, "lists mnist-cnn (default) more than once"),
+    ],
+)
+def test_a_validation_model_measured_nowhere_or_twice_is_one_line(
+    models: str, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text('strategies = ["ddp"]\nbandwidths = ["1gbit"]\n' + models)
+    argv = ["predict", "--validate", str(plan), "--out", str(tmp_path / "v")]
+    refused(argv, capsys, str(plan), words)
