@@ -10,7 +10,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,3 +40,37 @@ def atomic_write_bytes(path: Path, write: Any) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (temp file + rename)."""
     atomic_write_bytes(path, lambda tmp: tmp.write_text(text))
+
+
+def read_cell_records(path: Path, *, missing: str) -> list[dict[str, Any]]:
+    """Every complete JSON record (an object with an ``id``) of the JSON-lines file
+    ``path``, in the order written; none when it does not exist. A line that is not one
+    (cut short when a job was killed) is skipped with a warning on stderr saying that its
+    cell counts as ``missing``.
+
+    Example:
+        >>> import tempfile
+        >>> log = Path(tempfile.mkdtemp()) / "cells.jsonl"
+        >>> _ = log.write_text('{"id": "a"}' + chr(10) + '{"id": ')  # the last cut short
+        >>> [r["id"] for r in read_cell_records(log, missing="not run")]
+        ['a']
+    """
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or "id" not in record:
+            print(
+                f"gradsync: warning: {path} line {number} is not a complete record "
+                f"({line[:40]!r}…); skipped, its cell counts as {missing}",
+                file=sys.stderr,
+            )
+            continue
+        records.append(record)
+    return records

@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from gradsync.bench.experiment import Cell, Experiment
 from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
 from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
+from gradsync.files import read_cell_records
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
 from gradsync.models import shared_workloads
@@ -169,26 +169,7 @@ def load_records(out: Path) -> list[dict[str, Any]]:
     A line that is not a JSON record (cut short when a sweep was killed) is skipped with a
     warning on stderr; the cell it belonged to counts as not run.
     """
-    path = out / RESULTS_FILE
-    if not path.exists():
-        return []
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict) or "id" not in record:
-            print(
-                f"gradsync: warning: {path} line {number} is not a complete record "
-                f"({line[:40]!r}…); skipped, its cell counts as not run",
-                file=sys.stderr,
-            )
-            continue
-        records.append(record)
-    return records
+    return read_cell_records(out / RESULTS_FILE, missing="not run")
 
 
 def load_results(out: Path) -> list[dict[str, Any]]:

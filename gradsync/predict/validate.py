@@ -46,7 +46,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ from typing import Any
 
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
+from gradsync.files import read_cell_records
 from gradsync.predict.network import (
     Cluster,
     Network,
@@ -470,25 +470,7 @@ def _read_cells(log: Path) -> list[dict[str, Any]]:
     Example:
         >>> # _read_cells(Path("results/predict-validation/cells.jsonl"))[0]["id"]
     """
-    if not log.is_file():
-        return []
-    cells = []
-    for number, line in enumerate(log.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            cell = json.loads(line)
-        except ValueError:
-            cell = None
-        if not isinstance(cell, dict) or "id" not in cell:
-            print(
-                f"gradsync: warning: {log} line {number} is not a complete record "
-                f"({line[:40]!r}…); skipped, its cell counts as not measured",
-                file=sys.stderr,
-            )
-            continue
-        cells.append(cell)
-    return cells
+    return read_cell_records(log, missing="not measured")
 
 
 def _append_cell(log: Path, cell: dict[str, Any]) -> None:
