@@ -567,7 +567,7 @@ def _step_events(step: int) -> list[dict]:
         ([{**_step_events(0)[0], "ts": math.nan}], None, "has no finite numeric ts"),
         ([_step_events(0)[0], {**_step_events(0)[1], "ts": -3}], None, "before it began"),
         ([{"ph": "B", "pid": 0, "tid": 0, "ts": 1}], None, "has no name"),
-        ([{**_step_events(0)[0], "args": 5}, _step_events(0)[1]], None, "args.step"),
+        ([{**_step_events(0)[0], "args": 5}, _step_events(0)[1]], None, "args 5, not an object"),
         ([{**_step_events(0)[0], "args": {"step": "abc"}}, _step_events(0)[1]], None, "args.step"),
         ([{"ph": "M", "name": "process_name", "pid": 0}], None, "has no name or no args"),
     ],
