@@ -143,6 +143,7 @@ def run_matrix(
         spread = reference_spread(configs[0], reference, out)
     except (JobFailed, UserError) as error:
         return [_crashed(REFERENCE, configs[0], error, tolerance_for(base))]
+    check_reproducible(base, spread)
     tolerance = max(tolerance_for(base), NOISE_FACTOR * spread)
     if log:
         print(
@@ -238,6 +239,29 @@ def diagnosis(outcomes: Sequence[Outcome]) -> str | None:
         f"({min(failing):.1e}–{max(failing):.1e}): the likely cause is the model or its loss "
         "(a loss that is not a mean over the samples, or a layer that mixes samples other "
         "than BatchNorm), not the strategies"
+    )
+
+
+def check_reproducible(base: TrainConfig, spread: float) -> None:
+    """UserError when ``single`` drifted from its own rerun by more than float64 rounding
+    can: in float64 a thread count moves parameters by ~1e-12, so a larger drift means the
+    run is not reproducible (an unseeded draw in the model or its data), and no tolerance
+    could tell a strategy's bug from it.
+
+    Example:
+        >>> check_reproducible(TrainConfig(dtype="float64"), 3e-15)
+        >>> check_reproducible(TrainConfig(dtype="float64"), 0.57)
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: single differs from its own rerun by 5.7e-01, ...
+    """
+    if base.dtype != "float64" or spread <= FLOAT64_TOLERANCE:
+        return
+    raise UserError(
+        f"single differs from its own rerun by {spread:.1e}, where float64 rounding moves "
+        f"parameters by less than {FLOAT64_TOLERANCE:.0e}: the run is not reproducible, so no "
+        "strategy can be checked against it; seed every random draw of the model and its data "
+        "from the build request's seed"
     )
 
 

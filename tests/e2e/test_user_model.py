@@ -78,3 +78,44 @@ def test_user_model_with_unknown_option_is_a_user_error(workdir: Path) -> None:
     )
     assert result.returncode == 2
     assert "depth" in result.stderr and "Traceback" not in result.stderr
+
+
+UNSEEDED = """
+import random
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def build(**request):
+    torch.manual_seed(random.SystemRandom().randint(0, 10**9))  # not the request's seed
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=generator), torch.arange(64) % 3)
+    return nn.Linear(8, 3), data, nn.functional.cross_entropy
+"""
+
+
+def test_verify_refuses_a_model_that_single_cannot_reproduce(workdir: Path) -> None:
+    """A model built from an unseeded draw drifts from itself far beyond float64 rounding:
+    any tolerance taken from that drift would pass every strategy (a probe's 'match')."""
+    (workdir / "unseeded.py").write_text(UNSEEDED)
+    result = gradsync(
+        "verify",
+        "--model",
+        "unseeded.py:build",
+        "--strategies",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "3",
+        "--global-batch",
+        "8",
+        "--out",
+        "verify",
+        cwd=workdir,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "single differs from its own rerun" in result.stderr
+    assert "match" not in result.stdout
