@@ -370,8 +370,12 @@ class EmulatedHosts:
             (folder / "hosts").write_text("\n".join(lines) + "\n")
 
     def _catch_sigterm(self) -> None:
-        # SIGTERM to the launcher unwinds like Ctrl-C, so the namespaces are deleted.
-        if threading.current_thread() is threading.main_thread():
+        # SIGTERM to the launcher unwinds like Ctrl-C, so the namespaces are deleted. A
+        # handler already installed (gradsync's own, raising Stopped) unwinds too, and
+        # keeps its exit code and its deferral around checkpoint writes: it stays.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
 
     def _restore_sigterm(self) -> None:

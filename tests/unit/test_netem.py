@@ -174,3 +174,27 @@ def test_commbench_config_round_trips_and_validates() -> None:
         CommbenchConfig(workers=1)
     with pytest.raises(UserError, match="at least 16 bytes"):
         CommbenchConfig(workers=4, sizes=(8,))
+
+
+def test_emulated_hosts_keep_gradsyncs_own_sigterm_handler(tmp_path: Path) -> None:
+    """gradsync's handler (Stopped: exit 143, held around checkpoint writes) stays; only a
+    process without one gets SIGTERM turned into an unwinding KeyboardInterrupt."""
+    import signal
+
+    from gradsync.signals import stop_on_signals
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_signals()
+        ours = signal.getsignal(signal.SIGTERM)
+        hosts = netem.EmulatedHosts(2, None, state_dir=tmp_path)
+        hosts._catch_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is ours
+        hosts._restore_sigterm()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        hosts._catch_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is netem._raise_interrupt
+        hosts._restore_sigterm()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
