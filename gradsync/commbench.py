@@ -167,6 +167,10 @@ class CommbenchConfig:
             twice = sorted({f"{v:g}" for v in values if values.count(v) > 1})
             if twice:  # each would be measured twice and drawn as one series
                 raise UserError(f"{flag} lists {', '.join(twice)} more than once; give each once")
+        if self.launch.hosts:
+            from gradsync.netem import check_hosts_filled
+
+            check_hosts_filled(self.workers, self.launch.hosts, self.launch.ranks_per_host)
         if self.warmup_iters < 1 or self.iters < 1:
             raise UserError(
                 f"--warmup and --iters must be ≥ 1, got {self.warmup_iters} and {self.iters}"

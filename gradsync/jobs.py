@@ -20,7 +20,7 @@ from gradsync.launch import launch_local
 from gradsync.metrics import load_summary
 from gradsync.models import check_model, shared_workloads, workload_of
 from gradsync.models.user import check_user_step, is_user_model
-from gradsync.netem import place_ranks
+from gradsync.netem import check_hosts_filled
 from gradsync.probe import lookup_tables
 from gradsync.resume import check_resume, checkpoint_step, resumable
 from gradsync.rundir import check_writable, claim_output_file, claim_run_dir, hold_run_dir
@@ -172,16 +172,8 @@ def check_every_host_used(config: TrainConfig) -> None:
     Example:
         >>> check_every_host_used(TrainConfig(strategy="allreduce", workers=2))  # no --hosts
     """
-    hosts = config.launch.hosts
-    if not hosts:
-        return
-    ranks = world_size_of(config)
-    used = max(place_ranks(ranks, hosts, config.launch.ranks_per_host)) + 1
-    if used < hosts:
-        raise UserError(
-            f"--hosts {hosts}, but the job's {ranks} rank(s) fill only {used} host(s) and the "
-            f"others would stay empty; pass --hosts {used}, or more --workers"
-        )
+    if config.launch.hosts:
+        check_hosts_filled(world_size_of(config), config.launch.hosts, config.launch.ranks_per_host)
 
 
 MAX_RANKS_PER_CORE = 64  # beyond this a local job measures the scheduler, not training

@@ -126,6 +126,25 @@ def place_ranks(world_size: int, num_hosts: int, ranks_per_host: int | None = No
     return [rank // per_host for rank in range(world_size)]
 
 
+def check_hosts_filled(world_size: int, num_hosts: int, ranks_per_host: int | None) -> None:
+    """UserError when ``--hosts`` asks for hosts the job's ranks would not fill: the run
+    would measure fewer hosts than asked for (and say it measured them).
+
+    Example:
+        >>> check_hosts_filled(4, 2, None)
+        >>> check_hosts_filled(2, 3, None)
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --hosts 3, but the job's 2 rank(s) fill only 2 host(s) ...
+    """
+    used = max(place_ranks(world_size, num_hosts, ranks_per_host)) + 1
+    if used < num_hosts:
+        raise UserError(
+            f"--hosts {num_hosts}, but the job's {world_size} rank(s) fill only {used} "
+            f"host(s) and the others would stay empty; pass --hosts {used}, or more --workers"
+        )
+
+
 def subnet_of(index: int) -> str:
     """The /24 subnet of allocation slot ``index`` (10.200.0.0/24 upwards).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradsync.commbench import CommbenchConfig
+from gradsync.config import LaunchConfig
 from gradsync.errors import UserError
 
 
@@ -36,3 +37,10 @@ def test_sizes_beyond_memory_are_refused_before_the_folder_is_claimed(tmp_path) 
     argv = ["commbench", "--sizes", "1048576G", "--ops", "p2p", "--out", str(out), "--overwrite"]
     assert main(argv) == 2
     assert (out / "commbench.json").read_text() == "{}"
+
+
+def test_more_hosts_than_the_ranks_fill_is_refused() -> None:
+    # commbench.md said "2 emulated hosts" while commbench.json recorded 3
+    with pytest.raises(UserError, match="--hosts 3, but the job's 2 rank"):
+        CommbenchConfig(workers=2, launch=LaunchConfig(hosts=3))
+    assert CommbenchConfig(workers=2, launch=LaunchConfig(hosts=2)).launch.hosts == 2
