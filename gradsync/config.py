@@ -93,7 +93,7 @@ class LaunchConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        from gradsync.netem import MAX_HOSTS, parse_rate
+        from gradsync.netem import MAX_HOSTS, parse_shaped_rate
 
         if not 0 < self.hang_timeout_s < float("inf"):
             raise UserError(
@@ -103,7 +103,11 @@ class LaunchConfig:
             raise UserError(f"--max-restarts must be >= 0, got {self.max_restarts}")
 
         if not 0 <= self.hosts <= MAX_HOSTS:
-            raise UserError(f"--hosts must be in 1..{MAX_HOSTS}, got {self.hosts}")
+            raise UserError(
+                f"--hosts must be in 1..{MAX_HOSTS} (the emulated hosts share one /24 subnet), "
+                f"got {self.hosts}; pass at most {MAX_HOSTS}, or leave --hosts out to run on "
+                "loopback"
+            )
         if self.ranks_per_host is not None and (self.ranks_per_host < 1 or not self.hosts):
             raise UserError(
                 f"--ranks-per-host {self.ranks_per_host} needs --hosts H and a positive count"
@@ -114,7 +118,7 @@ class LaunchConfig:
                     f"--bandwidth {self.bandwidth} shapes the links of emulated hosts; "
                     "add --hosts H (e.g. --hosts 2)"
                 )
-            parse_rate(self.bandwidth)
+            parse_shaped_rate(self.bandwidth)
         if self.hosts and self.num_nodes > 1:
             raise UserError(
                 f"--hosts emulates hosts on one machine and cannot combine with --nnodes "

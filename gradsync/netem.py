@@ -94,6 +94,30 @@ def parse_rate(text: str, option: str = "--bandwidth") -> int:
     return bits
 
 
+MAX_SHAPED_RATE = 10**12  # 1 Tbit/s: tbf's bucket (4 ms at the rate) must fit 32 bits
+
+
+def parse_shaped_rate(text: str, option: str = "--bandwidth") -> int:
+    """:func:`parse_rate` for a link gradsync shapes with ``tc``: at most 1 Tbit/s, which
+    no veth on one machine reaches anyway (tbf refuses the bucket of a faster rate).
+
+    Example:
+        >>> parse_shaped_rate("10gbit")
+        10000000000
+        >>> parse_shaped_rate("10tbit")
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: --bandwidth 10tbit is above 1tbit, the most tc's tbf ...
+    """
+    bits = parse_rate(text, option)
+    if bits > MAX_SHAPED_RATE:
+        raise UserError(
+            f"{option} {text} is above 1tbit, the most tc's tbf qdisc can shape; use at "
+            "most 1tbit, or leave the links unshaped (no --bandwidth)"
+        )
+    return bits
+
+
 def format_rate(bits_per_s: float) -> str:
     """A rate for people.
 
@@ -424,8 +448,8 @@ def _shape(namespace: str, device: str, bits_per_s: int) -> None:
     if result.returncode:
         message = (result.stderr.strip().splitlines() or ["(no message)"])[0]
         raise UserError(
-            f"--bandwidth needs the '{SHAPING_QDISC}' qdisc, which tc could not add "
-            f"({message}); load it (modprobe sch_{SHAPING_QDISC}) or drop --bandwidth"
+            f"tc could not add the '{SHAPING_QDISC}' qdisc that --bandwidth needs ({message}); "
+            f"if the kernel lacks it, load it (modprobe sch_{SHAPING_QDISC}), or drop --bandwidth"
         )
 
 

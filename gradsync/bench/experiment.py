@@ -30,7 +30,7 @@ from typing import Any
 from gradsync.config import LR_SCALINGS, OPTIMIZERS
 from gradsync.errors import UserError
 from gradsync.models import check_model
-from gradsync.netem import parse_rate
+from gradsync.netem import parse_shaped_rate
 from gradsync.options import StrategyOptions, field_names, options_from_mapping
 from gradsync.strategies import STRATEGIES, options_class
 from gradsync.toml_keys import TomlKeys, read_toml
@@ -318,7 +318,7 @@ def load_experiment(path: str | Path) -> Experiment:
                 "and one result; list each value once (use repeats to run a cell again)"
             )
     for rate in values.get("bandwidths", ()):
-        parse_rate(rate, f"{where}: bandwidths entry")  # refused here, not by a cell's job
+        parse_shaped_rate(rate, f"{where}: bandwidths entry")  # refused here, not by a cell's job
     for key in ("steps", "repeats", "hosts"):
         if key in keys:
             values[key] = keys.count(key)

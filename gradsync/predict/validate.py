@@ -54,6 +54,7 @@ from typing import Any
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.files import read_cell_records
+from gradsync.netem import parse_shaped_rate
 from gradsync.predict.network import (
     Cluster,
     Network,
@@ -178,7 +179,7 @@ def load_plan(path: str | Path) -> ValidationPlan:
         _check_batch(plan, model, path)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
         if bandwidth != UNSHAPED:
-            parse_bandwidth(bandwidth, f"{path}: bandwidth")
+            parse_shaped_rate(bandwidth, f"{path}: bandwidth")  # the runs shape it with tc
         elif plan.calibrate is False:
             raise UserError(
                 f"{path}: bandwidth '{UNSHAPED}' takes its rate from a calibration; "

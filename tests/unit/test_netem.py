@@ -198,3 +198,10 @@ def test_emulated_hosts_keep_gradsyncs_own_sigterm_handler(tmp_path: Path) -> No
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_rate_beyond_what_tbf_shapes_is_refused_before_anything_starts() -> None:
+    # 10tbit reached tc, whose refusal of the bucket was blamed on a missing qdisc
+    with pytest.raises(UserError, match="above 1tbit"):
+        LaunchConfig(hosts=2, bandwidth="10tbit")
+    assert LaunchConfig(hosts=2, bandwidth="1tbit").bandwidth == "1tbit"
