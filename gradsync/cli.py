@@ -843,7 +843,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradsync`` command; returns the exit code."""
     from gradsync.rendezvous import finish_process
 
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # imports the GRADSYNC_STRATEGIES plugins: they may fail
+    except UserError as error:
+        print(f"gradsync: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    args = parser.parse_args(argv)
     # A rank under torchrun, srun or mpirun exits at once (see finish_process).
     return finish_process(_run_command(args))
 

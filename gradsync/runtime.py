@@ -353,6 +353,14 @@ def _write_checkpoint(
     tensors = strategy.checkpoint_tensors()
     if tensors is not None:
         save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng}, meta)
+    elif context.worker_index == 0 and meta["step"] == context.config.steps:  # once, at the end
+        print(
+            f"gradsync: warning: strategy '{strategy.name}' gave no checkpoint tensors, so the "
+            "run wrote no checkpoint and cannot be verified or resumed; set self.model and "
+            "self.updater in setup, or override checkpoint_tensors",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _proposed_device(config: TrainConfig, env: RankEnv) -> torch.device:

@@ -172,6 +172,11 @@ def _run_cell(
     config: TrainConfig, label: str, reference: Checkpoint, tolerance: float, *, first: bool
 ) -> Outcome:
     summary = load_summary(Path(config.out)) if first else run_job(config)
+    if not (Path(config.out) / CHECKPOINT_FILE).is_file():  # the job ran, but saved nothing
+        raise UserError(
+            f"strategy '{config.strategy}' saved no state, so its run wrote no checkpoint to "
+            "compare; set self.model and self.updater in setup, or override checkpoint_tensors"
+        )
     checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE)
     diffs = diff_checkpoints(reference, checkpoint, include_optimizer=False)
     diff = worst(diffs)

@@ -170,7 +170,8 @@ def build_user_workload(name: str, request: BuildRequest, *, load_only: bool = F
     if not (isinstance(result, tuple) and len(result) == 3):
         raise UserError(
             f"user model {name} must return a Workload or (model, dataset, loss), "
-            f"got {type(result).__name__}"
+            f"got {type(result).__name__}; return (model, dataset, loss_fn), e.g. "
+            "(nn.Linear(8, 3), dataset, F.cross_entropy) (README: Your own model)"
         )
     model, dataset, loss = result
     _check_model_and_loss(name, model, dataset, loss)
@@ -274,6 +275,23 @@ class UserStep:
     tables_read_elsewhere: set[str]
 
 
+def _failed_step(name: str, error: Exception) -> str:
+    """One line for a forward or loss that raised on the launcher's check: what the check
+    does, the error (cut short), how to fix it.
+
+    Example:
+        >>> _failed_step("m.py:build", RuntimeError("mat1 and mat2 must have the same dtype"))[:76]
+        'user model m.py:build failed the check before launch (forward and loss on 2 '
+    """
+    text = " ".join(str(error).split())[:200]
+    return (
+        f"user model {name} failed the check before launch (forward and loss on 2 samples "
+        f"of its dataset): {type(error).__name__}: {text}; make model(inputs) and "
+        "loss(output, targets) run on its samples, parameters in the default dtype "
+        "(float32, or --dtype's): no .half(), .double() or .to(dtype) in the builder"
+    )
+
+
 def check_user_step(name: str, workload: Workload) -> UserStep:
     """Run one forward pass and loss on two samples; UserError unless the loss is a scalar
     tensor that has a gradient. Runs in the launcher, before any rank starts. Returns the
@@ -299,9 +317,7 @@ def check_user_step(name: str, workload: Workload) -> UserStep:
             output = workload.model(*batch.inputs, **batch.shared)
             loss = workload.loss(output, batch.targets)
     except Exception as error:
-        raise UserError(
-            f"user model {name} failed on a batch of 2 samples: {error!r}"[:400]
-        ) from None
+        raise UserError(_failed_step(name, error)) from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise UserError(

@@ -13,7 +13,9 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
+import re
 
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
@@ -38,23 +40,95 @@ STRATEGIES: dict[str, type[Strategy]] = {
     )
 }
 PLUGINS_VARIABLE = "GRADSYNC_STRATEGIES"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # what --strategy and verify's specs parse
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
-    """Add a strategy class to the registry (usable as a class decorator)."""
+    """Add a strategy class to the registry (usable as a class decorator). A UserError
+    refuses a class that cannot run (:func:`check_strategy_class`) and a name that another
+    class already has: the launcher would run the plugin, the ranks the built-in.
+
+    Example:
+        >>> register(STRATEGIES["ddp"]) is STRATEGIES["ddp"]  # the same class: harmless
+        True
+        >>> class Shadow(STRATEGIES["ddp"]):  # inherits the name "ddp"
+        ...     pass
+        >>> register(Shadow)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: strategy name 'ddp' is taken by gradsync.strategies.ddp...
+    """
+    check_strategy_class(cls)
+    taken = STRATEGIES.get(cls.name)
+    if taken is not None and _qualified(taken) != _qualified(cls):  # a reload is the same
+        raise UserError(
+            f"strategy name '{cls.name}' is taken by {_qualified(taken)}; {_qualified(cls)} "
+            f'cannot register it too: give {cls.__name__} a name of its own (name = "...")'
+        )
     STRATEGIES[cls.name] = cls
     return cls
 
 
+def check_strategy_class(cls: object) -> None:
+    """UserError unless ``cls`` is a :class:`Strategy` subclass with a name and no abstract
+    method left undefined: checked when it registers, before any rank starts.
+
+    Example:
+        >>> check_strategy_class(STRATEGIES["p3"])
+        >>> check_strategy_class(dict)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        gradsync.errors.UserError: dict is not a subclass of ...Strategy; derive it from ...
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise UserError(
+            f"{_qualified(cls)} is not a subclass of gradsync.strategies.base.Strategy; derive "
+            f"it from Strategy (README: Adding a strategy), then register it"
+        )
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise UserError(
+            f"strategy class {_qualified(cls)} has name {name!r}; set name to what --strategy "
+            'takes: letters, digits, "_" or "-" (e.g. name = "chunked")'
+        )
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise UserError(
+            f"strategy class {_qualified(cls)} does not define {missing}, so it cannot be "
+            f"created; define {missing} (the protocol: gradsync/strategies/base.py)"
+        )
+
+
+def _qualified(cls: object) -> str:
+    """``module.Class`` for a class (``builtins`` left out), ``repr`` for anything else."""
+    if not isinstance(cls, type):
+        return repr(cls)
+    module = "" if cls.__module__ == "builtins" else f"{cls.__module__}."
+    return module + cls.__qualname__
+
+
 def load_plugins() -> None:
-    """Import the modules named in ``GRADSYNC_STRATEGIES``; each registers its strategies."""
+    """Import the modules named in ``GRADSYNC_STRATEGIES``; each registers its strategies.
+    A module that does not import is a one-line UserError naming it.
+
+    Example:
+        >>> # GRADSYNC_STRATEGIES=my_strategies gradsync train --strategy chunked ...
+    """
     for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
         try:
             importlib.import_module(module.strip())
+        except UserError:  # register refused one of its classes
+            raise
         except ImportError as error:
             raise UserError(
                 f"{PLUGINS_VARIABLE} names module '{module}', which does not import ({error}); "
                 "fix the name or PYTHONPATH"
+            ) from None
+        except Exception as error:  # the plugin's own code: one line, not its traceback
+            raise UserError(
+                f"{PLUGINS_VARIABLE} module '{module}' raised {type(error).__name__} while "
+                f"importing: {error}; fix the module (python -c 'import {module.strip()}' "
+                "shows the traceback)"
             ) from None
 
 
@@ -62,12 +136,10 @@ def strategy_class(name: str) -> type[Strategy]:
     """The registered strategy called ``name``, or a UserError listing the choices."""
     if name not in STRATEGIES:
         load_plugins()
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise UserError(
-            f"unknown strategy '{name}'; choose one of: {', '.join(STRATEGIES)}"
-        ) from None
+    if name not in STRATEGIES:
+        raise UserError(f"unknown strategy '{name}'; choose one of: {', '.join(STRATEGIES)}")
+    check_strategy_class(STRATEGIES[name])  # one put in STRATEGIES without register
+    return STRATEGIES[name]
 
 
 def split_specs(text: str) -> list[str]:
@@ -125,6 +197,7 @@ __all__ = [
     "Context",
     "Strategy",
     "check_strategy",
+    "check_strategy_class",
     "options_class",
     "register",
     "strategy_class",
