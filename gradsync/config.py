@@ -93,7 +93,7 @@ class LaunchConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        from gradsync.netem import MAX_HOSTS, parse_shaped_rate
+        from gradsync.netem import check_host_count, parse_shaped_rate
 
         if not 0 < self.hang_timeout_s < float("inf"):
             raise UserError(
@@ -102,12 +102,8 @@ class LaunchConfig:
         if self.max_restarts < 0:
             raise UserError(f"--max-restarts must be >= 0, got {self.max_restarts}")
 
-        if not 0 <= self.hosts <= MAX_HOSTS:
-            raise UserError(
-                f"--hosts must be in 1..{MAX_HOSTS} (the emulated hosts share one /24 subnet), "
-                f"got {self.hosts}; pass at most {MAX_HOSTS}, or leave --hosts out to run on "
-                "loopback"
-            )
+        if self.hosts:  # 0: no emulated hosts
+            check_host_count(self.hosts)
         if self.ranks_per_host is not None and (self.ranks_per_host < 1 or not self.hosts):
             raise UserError(
                 f"--ranks-per-host {self.ranks_per_host} needs --hosts H and a positive count"

@@ -150,6 +150,20 @@ def place_ranks(world_size: int, num_hosts: int, ranks_per_host: int | None = No
     return [rank // per_host for rank in range(world_size)]
 
 
+def check_host_count(num_hosts: int) -> None:
+    """UserError unless 1..:data:`MAX_HOSTS` emulated hosts are asked for.
+
+    Example:
+        >>> check_host_count(2)
+    """
+    if not 1 <= num_hosts <= MAX_HOSTS:
+        raise UserError(
+            f"--hosts must be in 1..{MAX_HOSTS} (the emulated hosts share one /24 subnet), "
+            f"got {num_hosts}; pass at most {MAX_HOSTS}, or leave --hosts out to run on "
+            "loopback"
+        )
+
+
 def check_hosts_filled(world_size: int, num_hosts: int, ranks_per_host: int | None) -> None:
     """UserError when ``--hosts`` asks for hosts the job's ranks would not fill: the run
     would measure fewer hosts than asked for (and say it measured them).
@@ -272,8 +286,7 @@ class EmulatedHosts:
     """
 
     def __init__(self, num_hosts: int, bits_per_s: int | None, *, state_dir: Path = STATE_DIR):
-        if not 1 <= num_hosts <= MAX_HOSTS:
-            raise UserError(f"--hosts must be in 1..{MAX_HOSTS}, got {num_hosts}")
+        check_host_count(num_hosts)
         self.num_hosts = num_hosts
         self.bits_per_s = bits_per_s
         self.state_dir = state_dir
