@@ -841,22 +841,27 @@ COMMANDS.update(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradsync`` command; returns the exit code."""
-    from gradsync.rendezvous import finish_process
+    from gradsync.signals import Stopped, stop_on_signals
 
+    stop_on_signals()  # SIGTERM/SIGHUP end the job like Ctrl-C (exit 143/129), from here on
     try:
-        parser = build_parser()  # imports the GRADSYNC_STRATEGIES plugins: they may fail
+        parser = build_parser()  # imports torch, and the GRADSYNC_STRATEGIES plugins: seconds
     except UserError as error:
         print(f"gradsync: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Stopped as stop:
+        print(f"gradsync: stopped by {stop.name} before anything started", file=sys.stderr)
+        return stop.exit_code
     args = parser.parse_args(argv)
+    from gradsync.rendezvous import finish_process
+
     # A rank under torchrun, srun or mpirun exits at once (see finish_process).
     return finish_process(_run_command(args))
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from gradsync.signals import Stopped, stop_on_signals
+    from gradsync.signals import Stopped
 
-    stop_on_signals()  # SIGTERM/SIGHUP end the job like Ctrl-C (exit 143/129)
     try:
         return COMMANDS[args.command](args)
     except UserError as error:

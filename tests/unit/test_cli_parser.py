@@ -414,3 +414,26 @@ def test_momentum_with_adam_is_refused_not_ignored(capsys, no_launcher, tmp_path
     assert main(argv) == EXIT_USER_ERROR
     assert "--momentum 0.5 is SGD's; adam keeps its own moments" in _one_line_error(capsys)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_sigterm_while_the_parser_is_built_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building the parser imports torch (seconds): a SIGTERM then said nothing, exit 143."""
+    import signal
+
+    from gradsync import cli
+    from gradsync.signals import HANDLED, Stopped
+
+    previous = {s: signal.getsignal(s) for s in HANDLED}
+
+    def stopped() -> None:
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(cli, "build_parser", stopped)
+    try:
+        assert cli.main(["train"]) == 143
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert capsys.readouterr().err == "gradsync: stopped by SIGTERM before anything started\n"
