@@ -42,6 +42,7 @@ RUN_MARKERS = (
 # what ``--overwrite`` may clear (a run's subfolders of their own are recognized as runs).
 RUN_ENTRIES = frozenset(RUN_MARKERS) | {
     "checkpoint.safetensors.json", "stderr.log", "srun-config.json", "hosts",  # train
+    "launch.json",  # train under torchrun, srun or mpirun: the launch that claimed it
     "timeline",  # train --timeline's folder, the timeline command's summaries
     "verify.md", "single-rerun", "results.json", "results.md",  # verify, demo
     "experiment.toml", "report.md", "cells", "plots", "job.sbatch",  # bench, sbatch
