@@ -173,10 +173,9 @@ def load_plan(path: str | Path) -> ValidationPlan:
         raise UserError(
             f"{path}: workers = {plan.workers} measures no communication; write workers = 2"
         )
-    for spec in plan.strategies:
-        _check_hosts(plan, spec, parse_choice(spec, plan.workers), path)
     for model in plan.models:
         _check_batch(plan, model, path)
+    _check_hosts(plan, path)
     for bandwidth in {b for m in plan.models for b in plan.bandwidths_of(m)}:
         if bandwidth != UNSHAPED:
             parse_shaped_rate(bandwidth, f"{path}: bandwidth")  # the runs shape it with tc
@@ -211,19 +210,50 @@ def _check_lists(plan: ValidationPlan, path: Path) -> None:
             )
 
 
-def _check_hosts(plan: ValidationPlan, spec: str, choice: StrategyChoice, path: Path) -> None:
-    """Every emulated host gets a rank of ``spec``'s jobs (workers, then dedicated servers),
-    else a one-line UserError."""
-    servers = (
-        choice.options.extra_ranks(plan.workers) if hasattr(choice.options, "extra_ranks") else 0
-    )
-    ranks = plan.workers + servers
-    if plan.hosts > ranks:
-        raise UserError(
-            f"{path}: hosts = {plan.hosts} leaves a host without a rank for {spec} "
-            f"({plan.workers} workers, {servers} dedicated servers); write hosts = {ranks} or "
-            "fewer, or more workers"
+def _check_hosts(plan: ValidationPlan, path: Path) -> None:
+    """Every emulated host gets a rank of every job the plan runs, as ``gradsync train``
+    and ``gradsync commbench`` demand (:func:`gradsync.netem.check_hosts_filled`): the
+    calibration's commbench (the workers) and each model's run of each strategy (workers,
+    then the dedicated servers it starts for that model); else a one-line UserError naming
+    the plan's keys."""
+    if plan.calibrate is True:
+        _check_filled(
+            plan, plan.workers, path, f"calibrate = true runs commbench on {plan.workers} ranks"
         )
+    for spec in plan.strategies:
+        choice = parse_choice(spec, plan.workers)
+        for model in plan.models:
+            ranks = _world_size(_train_config(plan, model), plan.workers, choice)
+            job = (
+                f"strategies: {spec} on {model.label} runs {ranks} ranks ({plan.workers} "
+                f"workers, {ranks - plan.workers} dedicated server(s))"
+            )
+            _check_filled(plan, ranks, path, job)
+
+
+def _check_filled(plan: ValidationPlan, ranks: int, path: Path, job: str) -> None:
+    """UserError unless ``ranks`` ranks fill the plan's hosts; ``job`` says whose they are."""
+    from gradsync.netem import check_hosts_filled, place_ranks
+
+    try:
+        check_hosts_filled(ranks, plan.hosts, None)
+    except UserError:
+        used = max(place_ranks(ranks, plan.hosts)) + 1
+        raise UserError(
+            f"{path}: {job}, {-(-ranks // plan.hosts)} a host: they fill only {used} of "
+            f"hosts = {plan.hosts}; write hosts = {used}, or workers (or a strategy's "
+            "servers=N) that fill every host"
+        ) from None
+
+
+def _world_size(base: TrainConfig, workers: int, choice: StrategyChoice) -> int:
+    """The ranks ``gradsync train`` starts for ``choice`` on ``base``'s model: the workers,
+    then the dedicated servers (none for ``hybrid`` on a model without sparse variables)."""
+    from gradsync.strategies import world_size_of
+
+    return world_size_of(
+        base.replace(workers=workers, strategy=choice.name, strategy_options=choice.options)
+    )
 
 
 def _model_entry(keys: TomlKeys) -> ModelEntry:
@@ -586,9 +616,7 @@ def cluster_for(
     where they were measured; the plan's ``shared_cores`` says how many
     cores the hosts share. The links queue what the emulated hosts' shaping queues; an
     ``unshaped`` cell's links run at the rate its calibration's ring measured, unqueued."""
-    from gradsync.config import TrainConfig
     from gradsync.netem import QUEUE_MS, place_ranks
-    from gradsync.strategies import strategy_class
 
     if bandwidth == UNSHAPED:
         if calibration is None:
@@ -605,16 +633,12 @@ def cluster_for(
             network = calibrate_sync(network, calibration.parent / SYNC)
         if (calibration.parent / WIRE).is_file():
             network = calibrate_wire(network, calibration.parent / WIRE)
-    config = TrainConfig(
-        model=profile.model,
-        preset=profile.preset,
-        model_options=dict(profile.model_options),
-        workers=plan.workers,
-        strategy=choice.name,
-        strategy_options=choice.options,
+    model = TrainConfig(
+        model=profile.model, preset=profile.preset, model_options=dict(profile.model_options)
     )
-    servers = strategy_class(choice.name).num_server_ranks(config)
-    hosts = place_ranks(plan.workers + servers, plan.hosts)
+    world = _world_size(model, plan.workers, choice)
+    servers = world - plan.workers
+    hosts = place_ranks(world, plan.hosts)
     colocate = bool(getattr(choice.options, "colocate", False))
     num_servers = plan.workers if colocate else servers
     return Cluster(

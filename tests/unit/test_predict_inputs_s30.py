@@ -351,8 +351,8 @@ def test_a_validation_log_cut_short_is_skipped_with_a_warning(
         ("strategies = []", "strategies is empty"),
         ('bandwidths = ["1gbit", "1gbit"]', "bandwidths lists 1gbit more than once"),
         ("workers = 1", "workers = 1 measures no communication"),
-        ("hosts = 5", "hosts = 5 leaves a host without a rank for ddp"),
-        ('strategies = ["hybrid:colocate"]\nhosts = 3', "hosts = 3 leaves a host"),
+        ("hosts = 5", "they fill only 2 of hosts = 5"),
+        ('strategies = ["hybrid:colocate"]\nhosts = 3', "fill only 2 of hosts = 3"),
         ('strategies = ["ddp", "ddp"]', "strategies lists ddp more than once"),
     ],
 )
