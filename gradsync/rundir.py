@@ -27,6 +27,7 @@ RUN_MARKERS = (
     "metrics",
     "stdout.log",
     "checkpoint.safetensors",
+    "launch.json",  # train under torchrun, srun or mpirun: the launch that claimed it
     "verify.json",
     "results.jsonl",
     "commbench.json",
@@ -42,7 +43,6 @@ RUN_MARKERS = (
 # what ``--overwrite`` may clear (a run's subfolders of their own are recognized as runs).
 RUN_ENTRIES = frozenset(RUN_MARKERS) | {
     "checkpoint.safetensors.json", "stderr.log", "srun-config.json", "hosts",  # train
-    "launch.json",  # train under torchrun, srun or mpirun: the launch that claimed it
     "timeline",  # train --timeline's folder, the timeline command's summaries
     "verify.md", "single-rerun", "results.json", "results.md",  # verify, demo
     "experiment.toml", "report.md", "cells", "plots", "job.sbatch",  # bench, sbatch
@@ -54,19 +54,37 @@ RUN_ENTRIES = frozenset(RUN_MARKERS) | {
 TIMELINE_OUTPUT_SUFFIXES = (".summary.json", ".gantt.png")
 
 
-def is_run_entry(name: str) -> bool:
-    """Whether ``name``, at the top of a run folder, is a name a gradsync command writes
-    there: one of :data:`RUN_ENTRIES`, or a trace's summary or Gantt chart.
+def is_run_entry(item: Path) -> bool:
+    """Whether ``item``, at the top of a run folder, is a name a gradsync command writes
+    there (an atomic write's temporary, ``.{name}.{random}.tmp``, included): one of
+    :data:`RUN_ENTRIES`, or a trace's summary or Gantt chart, ``X.summary.json`` or
+    ``X.gantt.png``, with that trace ``X.json`` beside it.
 
     Example:
-        >>> [is_run_entry(n) for n in ("trace.json", "t2.summary.json", "trace.gantt.png")]
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp())
+        >>> _ = (run / "t2.json").write_text('{"traceEvents": []}')
+        >>> [is_run_entry(run / n) for n in ("hosts", "t2.summary.json", ".t2.gantt.png.1.tmp")]
         [True, True, True]
-        >>> is_run_entry(".gantt.png"), is_run_entry("notes.json")
+        >>> is_run_entry(run / "budget.summary.json"), is_run_entry(run / "notes.json")
         (False, False)
     """
-    if name in RUN_ENTRIES:
-        return True
-    return any(name.endswith(s) and len(name) > len(s) for s in TIMELINE_OUTPUT_SUFFIXES)
+    name = item.name
+    if name.startswith(".") and name.endswith(".tmp"):  # .{entry}.{random}.tmp
+        name = name[1:].rsplit(".", 2)[0]
+    return name in RUN_ENTRIES or _is_timeline_output(item.with_name(name))
+
+
+def _is_timeline_output(item: Path) -> bool:
+    """Whether ``item`` is ``X.summary.json`` or ``X.gantt.png`` with a trace ``X.json``
+    (a file that starts as gradsync's merged traces do) beside it."""
+    from gradsync.trace import TRACE_BEGINS  # here: gradsync.trace imports torch
+
+    for suffix in TIMELINE_OUTPUT_SUFFIXES:
+        stem = item.name.removesuffix(suffix)
+        if stem and stem != item.name:
+            return _begins(item.with_name(f"{stem}.json"), TRACE_BEGINS)
+    return False
 
 
 def claim_run_dir(
@@ -265,11 +283,8 @@ def _written_by_gradsync(item: Path) -> bool:
     job writes there (an atomic write's temporary, a dot and a suffix added, included), or
     a folder that is a run of its own (a verify cell), or one that holds nothing else (a
     cell that stopped before its first file: empty)."""
-    name = item.name
-    if is_run_entry(name) or _other_node(name):
+    if is_run_entry(item) or _other_node(item.name):
         return True
-    if name.startswith(".") and name.endswith(".tmp"):  # .{entry}.{random}.tmp
-        return is_run_entry(name[1:].rsplit(".", 2)[0])
     if not item.is_dir() or item.is_symlink():
         return False
     return _is_run(item) or all(_written_by_gradsync(inner) for inner in item.iterdir())
