@@ -74,3 +74,26 @@ def read_cell_records(path: Path, *, missing: str) -> list[dict[str, Any]]:
             continue
         records.append(record)
     return records
+
+
+def end_line_cut_short(path: Path) -> None:
+    """Finish the last line of ``path`` when it was cut short (a job killed mid-write), so
+    the next record appended starts on a line of its own; nothing for a missing or empty
+    file, or one whose last line is whole.
+
+    Example:
+        >>> import tempfile
+        >>> log = Path(tempfile.mkdtemp()) / "cells.jsonl"
+        >>> _ = log.write_text('{"id": "a"}' + chr(10) + '{"id": ')
+        >>> end_line_cut_short(log); end_line_cut_short(log)
+        >>> log.read_text().count(chr(10))
+        2
+    """
+    if not path.is_file() or not path.stat().st_size:
+        return
+    with path.open("rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        whole = handle.read(1) == b"\n"
+    if not whole:
+        with path.open("ab") as handle:
+            handle.write(b"\n")

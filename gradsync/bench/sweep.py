@@ -37,7 +37,7 @@ from gradsync.bench.experiment import Cell, Experiment
 from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
 from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
-from gradsync.files import read_cell_records
+from gradsync.files import end_line_cut_short, read_cell_records
 from gradsync.jobs import run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
 from gradsync.models import shared_workloads
@@ -240,17 +240,6 @@ def _cells_to_run(
     return todo, done
 
 
-def _end_with_newline(path: Path) -> None:
-    """Finish a line cut short, so the next record starts on a line of its own."""
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb") as handle:
-            handle.seek(-1, 2)
-            last = handle.read(1)
-        if last != b"\n":
-            with open(path, "ab") as handle:
-                handle.write(b"\n")
-
-
 def run_sweep(
     experiment: Experiment,
     out: Path,
@@ -279,7 +268,7 @@ def run_sweep(
     todo, done = _cells_to_run(cells, configs, out)
     if done or len(todo) < len(cells):
         print(f"resuming {out}: {done} cell(s) already done, {len(todo)} to run")
-    _end_with_newline(out / RESULTS_FILE)
+    end_line_cut_short(out / RESULTS_FILE)
     with (
         _SweepProgress(len(cells), done, enabled=show_progress) as progress,
         open(out / RESULTS_FILE, "a") as results,

@@ -43,6 +43,21 @@ PREDICT_DEFAULTS: dict[str, Any] = {
 }
 
 
+_QUEUE_NOTE = ": shallow switch buffers; gradsync's emulated hosts: 50ms"
+
+
+def _default(key: str, note: str = "") -> str:
+    """``(default V)`` for a help text, V from :data:`PREDICT_DEFAULTS`, ``note`` after it.
+
+    Example:
+        >>> _default("ranks_per_host"), _default("compute_speedup", "; none")
+        ('(default 1)', '(default 1; none)')
+    """
+    value = PREDICT_DEFAULTS[key]
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"(default {shown}{note})"
+
+
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Add ``gradsync profile`` and ``gradsync predict`` to the subcommands."""
     from gradsync.cli import _key_value, _path
@@ -109,24 +124,27 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     predict.add_argument(
         "--strategies",
         help="comma-separated, options after colons as in verify, e.g. "
-        f"allreduce:fusion_threshold_mb=16,ps:servers=2,p3:slice_size=10000 (default "
-        f"{DEFAULT_STRATEGIES})",
+        f"allreduce:fusion_threshold_mb=16,ps:servers=2,p3:slice_size=10000 "
+        f"{_default('strategies')}",
     )
-    predict.add_argument("--workers", help=f"worker counts, e.g. 1,2,4 (default {DEFAULT_WORKERS})")
+    predict.add_argument("--workers", help=f"worker counts, e.g. 1,2,4 {_default('workers')}")
     predict.add_argument(
         "--bandwidth",
-        help=f"per-host link rates, e.g. 1gbit,25gbit (default {DEFAULT_BANDWIDTHS})",
+        help=f"per-host link rates, e.g. 1gbit,25gbit {_default('bandwidth')}",
     )
     predict.add_argument(
-        "--latency", help="one-way latency per message, e.g. 25us, 1ms (default 25us; 0 for none)"
+        "--latency",
+        help=f"one-way latency per message, e.g. 25us, 1ms {_default('latency', '; 0 for none')}",
     )
     predict.add_argument(
         "--queue",
         help="how long a small message waits behind bulk data on a saturated link: the "
-        "link's queue (default 0: shallow switch buffers; gradsync's emulated hosts: 50ms)",
+        f"link's queue {_default('queue', _QUEUE_NOTE)}",
     )
     predict.add_argument(
-        "--ranks-per-host", type=_positive, help="workers sharing one host link (default 1)"
+        "--ranks-per-host",
+        type=_positive,
+        help=f"workers sharing one host link {_default('ranks_per_host')}",
     )
     predict.add_argument(
         "--intra-bandwidth", help="rate between ranks of one host (default: the link's)"
@@ -163,7 +181,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         type=float,
         metavar="X",
         help="model workers X times faster than the profiled device (e.g. a GPU from a CPU "
-        "profile): compute, optimizer and copies; server work stays as measured (default 1)",
+        "profile): compute, optimizer and copies; server work stays as measured "
+        f"{_default('compute_speedup')}",
     )
     predict.add_argument(
         "--batchnorm",

@@ -53,7 +53,7 @@ from typing import Any
 
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
-from gradsync.files import read_cell_records
+from gradsync.files import end_line_cut_short, read_cell_records
 from gradsync.netem import parse_shaped_rate
 from gradsync.predict.network import (
     Cluster,
@@ -506,9 +506,9 @@ def _read_cells(log: Path) -> list[dict[str, Any]]:
 
 def _append_cell(log: Path, cell: dict[str, Any]) -> None:
     """Add ``cell`` to ``log`` as one line, on a line of its own after one cut short."""
-    cut_short = log.is_file() and not log.read_bytes().endswith(b"\n") and log.stat().st_size
+    end_line_cut_short(log)
     with log.open("a") as handle:
-        handle.write(("\n" if cut_short else "") + json.dumps(cell) + "\n")
+        handle.write(json.dumps(cell) + "\n")
 
 
 def _profile(plan: ValidationPlan, model: ModelEntry, where: Path) -> Profile:

@@ -357,11 +357,13 @@ def test_a_changed_setting_changes_the_fingerprint_and_is_named() -> None:
 def test_a_truncated_results_line_is_skipped_with_a_warning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from gradsync.files import end_line_cut_short
+
     good = json.dumps({"id": "a", "status": "ok"})
     (tmp_path / sweep.RESULTS_FILE).write_text(good + "\n" + '{"id": "b", "sta')
     assert [r["id"] for r in sweep.load_results(tmp_path)] == ["a"]
     assert "line 2 is not a complete record" in capsys.readouterr().err
-    sweep._end_with_newline(tmp_path / sweep.RESULTS_FILE)
+    end_line_cut_short(tmp_path / sweep.RESULTS_FILE)
     assert (tmp_path / sweep.RESULTS_FILE).read_text().endswith("\n")
 
 
