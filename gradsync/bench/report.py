@@ -16,7 +16,7 @@ from typing import Any
 from gradsync.bench.analysis import Row, analyse
 from gradsync.bench.equal import Swept, setting
 from gradsync.bench.experiment import Experiment, PublishedGain, load_experiment
-from gradsync.bench.sweep import experiment_results, record_problem, stale_cells
+from gradsync.bench.sweep import experiment_results, load_records, record_problem, stale_cells
 from gradsync.errors import UserError
 from gradsync.files import atomic_write_text
 from gradsync.tables import markdown_table
@@ -50,14 +50,15 @@ def write_report(out: Path) -> Path:
     if not (out / "experiment.toml").exists():
         raise UserError(f"{out} holds no sweep (no experiment.toml); run gradsync bench first")
     experiment = load_experiment(out / "experiment.toml")
-    records = experiment_results(out, experiment)
+    recorded = load_records(out)  # read once: a line cut short warns once
+    records = experiment_results(out, experiment, recorded)
     rows = analyse(experiment, records, out)
     lines = [f"# {experiment.name}", ""]
     if experiment.description:
         lines += [experiment.description, ""]
     lines += _environment(records)
     lines += [held_equal(experiment), ""]
-    if stale := stale_cells(out, experiment):
+    if stale := stale_cells(out, experiment, recorded):
         lines += [stale_note(stale), ""]
     swept = Swept.of(experiment)
     for model in experiment.models:

@@ -218,11 +218,11 @@ def _latest_of(
 
 
 def _cells_to_run(
-    cells: list[Cell], configs: dict[str, TrainConfig], out: Path
+    cells: list[Cell], configs: dict[str, TrainConfig], records: list[dict[str, Any]]
 ) -> tuple[list[Cell], int]:
-    """The cells without an ``ok`` record (with its measurements) of the same settings;
-    say why each reruns."""
-    by_cell = _by_cell(load_records(out))
+    """The cells without an ``ok`` record (with its measurements) of the same settings
+    among ``records`` (:func:`load_records`); say why each reruns."""
+    by_cell = _by_cell(records)
     todo, done = [], 0
     for cell in cells:
         settings = cell_settings(configs[cell.id])
@@ -265,7 +265,8 @@ def run_sweep(
             validate(config, local=launcher == "local")  # a bad matrix fails before any job
         check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
     claim_results_dir(out, experiment, overwrite=overwrite)
-    todo, done = _cells_to_run(cells, configs, out)
+    records = load_records(out)  # read once: a line cut short warns once
+    todo, done = _cells_to_run(cells, configs, records)
     if done or len(todo) < len(cells):
         print(f"resuming {out}: {done} cell(s) already done, {len(todo)} to run")
     end_line_cut_short(out / RESULTS_FILE)
@@ -280,22 +281,26 @@ def run_sweep(
             record = progress.run(
                 cell, lambda c=cell, j=config: run_cell(experiment, c, j, run=run), metrics
             )
-            results.write(json.dumps(record) + "\n")
+            line = json.dumps(record)
+            results.write(line + "\n")
             results.flush()
-    return experiment_results(out, experiment)
+            records.append(json.loads(line))  # as a later read of the file gives it
+    return experiment_results(out, experiment, records)
 
 
-def experiment_results(out: Path, experiment: Experiment) -> list[dict[str, Any]]:
-    """The records in ``out`` of ``experiment``'s cells at its current settings, the last
-    one of each cell. A cell an earlier version of the experiment had, and this one does
-    not, or a record of other settings (``steps = 4`` before ``steps = 12``), stays in
-    ``results.jsonl`` but out of the report. A record without settings (written before
-    gradsync recorded them) cannot be judged and is kept.
+def experiment_results(
+    out: Path, experiment: Experiment, records: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Of ``records`` (``out``'s, :func:`load_records`), those of ``experiment``'s cells at
+    its current settings, the last one of each cell. A cell an earlier version of the
+    experiment had, and this one does not, or a record of other settings (``steps = 4``
+    before ``steps = 12``), stays in ``results.jsonl`` but out of the report. A record
+    without settings (written before gradsync recorded them) cannot be judged and is kept.
 
     Example:
-        >>> # experiment_results(Path("results/scaling"), load_experiment(path))
+        >>> # experiment_results(out, load_experiment(path), load_records(out))
     """
-    by_cell = _by_cell(load_records(out))
+    by_cell = _by_cell(records)
     current = []
     for cell in experiment.cells():
         wanted = _experiment_fingerprint_of(experiment, cell, out)
@@ -305,15 +310,16 @@ def experiment_results(out: Path, experiment: Experiment) -> list[dict[str, Any]
     return current
 
 
-def stale_cells(out: Path, experiment: Experiment) -> list[str]:
-    """The ids of ``experiment``'s cells recorded in ``out`` only at other settings than
-    the current ones: left out of the report until ``gradsync bench`` runs them again.
+def stale_cells(out: Path, experiment: Experiment, records: list[dict[str, Any]]) -> list[str]:
+    """The ids of ``experiment``'s cells that ``records`` (``out``'s) hold only at other
+    settings than the current ones: left out of the report until ``gradsync bench`` runs
+    them again.
 
     Example:
-        >>> # stale_cells(Path("results/scaling"), load_experiment(path))  # ['measure-…-r0']
+        >>> # stale_cells(out, load_experiment(path), load_records(out))  # ['measure-…-r0']
     """
-    kept = {record["id"] for record in experiment_results(out, experiment)}
-    recorded = {record["id"] for record in load_records(out)}
+    kept = {record["id"] for record in experiment_results(out, experiment, records)}
+    recorded = {record["id"] for record in records}
     return [cell.id for cell in experiment.cells() if cell.id in recorded - kept]
 
 

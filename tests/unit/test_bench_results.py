@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gradsync.bench import sweep
 from gradsync.bench.experiment import Experiment, load_experiment
 from gradsync.bench.report import write_report
@@ -60,9 +62,9 @@ def test_a_report_leaves_out_records_of_earlier_settings(tmp_path: Path) -> None
     old = [_record(before, "allreduce", 100.0), _record(before, "ddp", 200.0)]
     now = _experiment(tmp_path, steps=12)
     _write(tmp_path, [*old, _record(now, "allreduce", 117.0)])
-    current = sweep.experiment_results(tmp_path, now)
+    current = sweep.experiment_results(tmp_path, now, sweep.load_records(tmp_path))
     assert [(r["strategy"], r["settings"]["steps"]) for r in current] == [("allreduce", 12)]
-    assert sweep.stale_cells(tmp_path, now) == [old[1]["id"]]
+    assert sweep.stale_cells(tmp_path, now, sweep.load_records(tmp_path)) == [old[1]["id"]]
     report = write_report(tmp_path).read_text()
     assert "| ddp |" not in report and "| allreduce |" in report
     assert "Left out: 1 cell(s) recorded only at other settings" in report
@@ -74,8 +76,8 @@ def test_back_to_earlier_settings_reads_their_records_again(tmp_path: Path) -> N
     old = [_record(before, "allreduce", 100.0), _record(before, "ddp", 200.0)]
     _write(tmp_path, [*old, _record(_experiment(tmp_path, steps=12), "allreduce", 117.0)])
     again = _experiment(tmp_path, steps=4)
-    assert sweep.experiment_results(tmp_path, again) == old
-    assert sweep.stale_cells(tmp_path, again) == []
+    assert sweep.experiment_results(tmp_path, again, sweep.load_records(tmp_path)) == old
+    assert sweep.stale_cells(tmp_path, again, sweep.load_records(tmp_path)) == []
 
 
 def test_records_without_settings_are_kept(tmp_path: Path) -> None:
@@ -84,7 +86,7 @@ def test_records_without_settings_are_kept(tmp_path: Path) -> None:
     record = _record(experiment, "ddp", 200.0)
     del record["settings"], record["fingerprint"]
     _write(tmp_path, [record])
-    assert sweep.experiment_results(tmp_path, experiment) == [record]
+    assert sweep.experiment_results(tmp_path, experiment, [record]) == [record]
 
 
 def test_an_ok_record_without_throughput_is_listed_not_a_crash(tmp_path: Path) -> None:
@@ -106,5 +108,18 @@ def test_bench_runs_an_ok_record_without_throughput_again(tmp_path: Path) -> Non
     cells = experiment.cells()
     configs = [sweep.cell_config(experiment, cell, tmp_path) for cell in cells]
     resolved = dict(zip([c.id for c in cells], on_one_device(configs, gpus=0), strict=True))
-    todo, done = sweep._cells_to_run(cells, resolved, tmp_path)
+    todo, done = sweep._cells_to_run(cells, resolved, sweep.load_records(tmp_path))
     assert [cell.strategy for cell in todo] == ["ddp"] and done == 1
+
+
+def test_a_report_warns_once_for_a_line_cut_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gradsync report` read results.jsonl three times (experiment_results, and
+    stale_cells's own two reads), so one line cut short warned three times."""
+    experiment = _experiment(tmp_path, steps=4)
+    _write(tmp_path, [_record(experiment, "allreduce", 100.0)])
+    with (tmp_path / sweep.RESULTS_FILE).open("a") as results:
+        results.write('{"id": "cut sh')
+    assert "| allreduce |" in write_report(tmp_path).read_text()
+    assert capsys.readouterr().err.count("is not a complete record") == 1
