@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import re
 import sys
@@ -522,20 +523,40 @@ def _train_as_a_rank(args: argparse.Namespace, env: RankEnv, common: dict[str, o
     return EXIT_OK
 
 
+LAUNCH_FILE = "launch.json"  # the launch that claimed a run folder under a launcher
+
+
 def _claim_for_the_ranks(config: TrainConfig, env: RankEnv, *, overwrite: bool) -> None:
     """Rank 0 of a launcher's job claims ``--out`` as gradsync's own launcher does, before
     any rank may write there (they wait for rank 0 at the rendezvous); when the folder
-    cannot be had, every rank stops with rank 0's line instead of waiting for it."""
+    cannot be had, every rank stops with rank 0's line instead of waiting for it. A
+    launcher's restart of the same launch (torchrun ``--max-restarts``, a Slurm requeue)
+    takes its own folder back: the folder names the launch that claimed it."""
     from datetime import timedelta
 
+    from gradsync.files import atomic_write_text
     from gradsync.jobs import prepare_out
     from gradsync.rendezvous import rendezvous
 
+    out = Path(config.out)
     try:
-        prepare_out(config, overwrite=overwrite)
+        prepare_out(config, overwrite=overwrite or _restart_of(env, out))
     except UserError as refusal:
         rendezvous(env, timedelta(seconds=config.launch.timeout_s), refusal=str(refusal))
         raise
+    if env.job:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / LAUNCH_FILE, json.dumps({"job": env.job}) + "\n")
+
+
+def _restart_of(env: RankEnv, out: Path) -> bool:
+    """Whether this is the launcher restarting the launch that claimed ``out``."""
+    if env.attempt == 0 or not env.job:
+        return False
+    try:
+        return json.loads((out / LAUNCH_FILE).read_text()).get("job") == env.job
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _default_out(strategy: str, env: RankEnv | None, nnodes: int) -> str:

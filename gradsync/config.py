@@ -146,6 +146,24 @@ class LaunchConfig:
             )
 
 
+# The TrainConfig fields every rank of one job shares as they are (see shared_settings).
+SHARED_FIELDS = (
+    "model",
+    "preset",
+    "strategy",
+    "workers",
+    "steps",
+    "global_batch",
+    "seed",
+    "deterministic",
+    "dtype",
+    "batchnorm",
+    "checkpoint_every",
+    "timeline_steps",
+    "resume",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training job.
@@ -257,19 +275,44 @@ class TrainConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     def shared_settings(self) -> dict[str, Any]:
-        """What every rank of one job must be started with: everything but where this node
-        writes (``out``, the trace's path) and how it launches (threads, timeouts, ports).
+        """What every rank of one job must be started with, by flag, as the run reads it
+        (``--lr`` left out is the optimizer's default, ``sparse=yes`` is ``sparse=true``):
+        everything but where each node reads and writes (``--data``, ``--out``, the trace's
+        path), how it launches and logs (threads, timeouts, ``--log-every``) and what only
+        rank 0 measures (``--measure-warmup``).
 
         Example:
-            >>> a, b = TrainConfig(seed=3, out="a"), TrainConfig(seed=3, out="b")
-            >>> a.shared_settings() == b.shared_settings(), "out" in a.shared_settings()
-            (True, False)
+            >>> a = TrainConfig(seed=3, out="a", optim=OptimConfig(lr=0.05))
+            >>> b = TrainConfig(seed=3, out="b", data=None)
+            >>> a.shared_settings() == b.shared_settings(), a.shared_settings()["--seed"]
+            (True, 3)
         """
-        settings = json.loads(self.to_json())
-        for key in ("out", "launch", "log_every"):
-            del settings[key]
-        settings["timeline"] = self.timeline is not None
-        return settings
+        from gradsync.models import resolved_options
+        from gradsync.options import flag_of
+
+        settings: dict[str, Any] = {
+            f"--{name.replace('_', '-')}": getattr(self, name) for name in SHARED_FIELDS
+        }
+        settings["--timeline"] = self.timeline is not None
+        optim = self.optim
+        settings.update(
+            {
+                "--optimizer": optim.name,
+                "--lr": optim.base_lr(),
+                "--momentum": optim.momentum,
+                "--weight-decay": optim.weight_decay,
+                "--lr-warmup-steps": optim.lr_warmup_steps,
+                "--lr-scaling": optim.lr_scaling,
+                "--lr-base-batch": optim.lr_base_batch,
+            }
+        )
+        for key, value in resolved_options(self.model, self.model_options).items():
+            settings[f"--model-option {key}"] = value
+        for item in dataclasses.fields(self.strategy_options):
+            settings[flag_of(item)] = getattr(self.strategy_options, item.name)
+        if settings.get("--servers", 0) is None and not settings.get("--colocate"):
+            settings["--servers"] = 1  # the default, written or not
+        return json.loads(json.dumps(settings))  # as the other ranks read it
 
     @classmethod
     def from_json(cls, text: str) -> TrainConfig:

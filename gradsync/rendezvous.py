@@ -27,7 +27,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +39,7 @@ from gradsync.errors import UserError
 from gradsync.topology import RankEnv
 
 KEY_PREFIX = "gradsync/rendezvous"
+PROTOCOL = 2  # 2: entries carry the launch's identity and the run's settings
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun when its agent hosts the store
 _HOSTED_STORES: list[dist.Store] = []
 _joined = False  # this process joined a process group (it is a rank)
@@ -58,6 +59,18 @@ class RankInfo:
     gpu: str = ""  # that GPU's UUID
     job: str = ""  # the launcher's identity of the launch (RankEnv.job), "" where it has none
     settings: dict[str, Any] = field(default_factory=dict)  # what every rank must share
+    protocol: int = 1  # what this entry holds; an entry without the field is of protocol 1
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankInfo:
+        """An entry as a rank wrote it; fields a newer gradsync adds are left out.
+
+        Example:
+            >>> RankInfo.from_json('{"rank": 1, "world_size": 2, "host": "n1", "new": 0}').rank
+            1
+        """
+        known = {item.name for item in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
     @classmethod
     def here(
@@ -80,6 +93,7 @@ class RankInfo:
             gpu=gpu,
             job=env.job,
             settings=settings or {},
+            protocol=PROTOCOL,
         )
 
 
@@ -115,12 +129,6 @@ def disagreement(infos: Sequence[RankInfo]) -> str | None:
     for info in infos[1:]:
         if info.world_size != first.world_size:
             return _world_size_message(first, info)
-        if info.job != first.job:
-            return (
-                f"rank {info.rank} on {info.host} belongs to {info.job or 'another launch'} but "
-                f"rank 0 on {first.host} to {first.job or 'another launch'}: two jobs met at one "
-                "rendezvous address; give each job its own --master-port (or MASTER_PORT)"
-            )
         for package in ("gradsync", "torch"):
             theirs, ours = getattr(info, package), getattr(first, package)
             if theirs != ours:
@@ -128,6 +136,18 @@ def disagreement(infos: Sequence[RankInfo]) -> str | None:
                     f"node {info.host} (rank {info.rank}) runs {package} {theirs} but rank 0 on "
                     f"{first.host} runs {package} {ours}; install the same {package} on every node"
                 )
+        if info.protocol != first.protocol:
+            return (
+                f"node {info.host} (rank {info.rank}) runs a gradsync of rendezvous protocol "
+                f"{info.protocol} but rank 0 on {first.host} one of {first.protocol}; install the "
+                "same gradsync on every node"
+            )
+        if info.job != first.job:
+            return (
+                f"rank {info.rank} on {info.host} belongs to {info.job or 'another launch'} but "
+                f"rank 0 on {first.host} to {first.job or 'another launch'}: two jobs met at one "
+                "rendezvous address; give each job its own --master-port (or MASTER_PORT)"
+            )
         if differs := first_difference(first.settings, info.settings):
             key, ours, theirs = differs
             return (
@@ -239,16 +259,14 @@ def rendezvous(
         # The store's server lives as long as this process, not as this object: the other
         # ranks may still be reading the verdict when rank 0 raises it or moves on.
         _HOSTED_STORES.append(store)
-    store.set(f"{KEY_PREFIX}/rank{env.rank}", json.dumps(asdict(info)))
+    store.set(f"{_prefix()}/rank{env.rank}", json.dumps(asdict(info)))
     if env.rank == 0:
-        verdict = _verdict(store, info, timeout)
-        store.set(
-            f"{KEY_PREFIX}/verdict", json.dumps({**verdict, "error": refusal or verdict["error"]})
-        )
-    verdict = json.loads(_get(store, f"{KEY_PREFIX}/verdict", env, timeout))
+        verdict = _verdict(store, info, timeout, refusal=refusal)
+        store.set(f"{_prefix()}/verdict", json.dumps(verdict))
+    verdict = json.loads(_get(store, f"{_prefix()}/verdict", env, timeout))
     if verdict["error"]:
         raise UserError(verdict["error"])
-    leader = RankInfo(**verdict["leader"])
+    leader = RankInfo.from_json(json.dumps(verdict["leader"]))
     if leader.world_size != info.world_size:  # a rank rank 0 does not know of
         raise UserError(_world_size_message(leader, info))
     return store, verdict["device"]
@@ -344,8 +362,12 @@ def _connect(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
         ) from None
 
 
-def _verdict(store: dist.Store, first: RankInfo, timeout: timedelta) -> dict[str, object]:
-    keys = [f"{KEY_PREFIX}/rank{r}" for r in range(first.world_size)]
+def _verdict(
+    store: dist.Store, first: RankInfo, timeout: timedelta, *, refusal: str = ""
+) -> dict[str, object]:
+    """Rank 0's verdict once every rank's entry is in (or the wait timed out): the first
+    error (its own ``refusal`` first), rank 0's entry, the device they train on."""
+    keys = [f"{_prefix()}/rank{r}" for r in range(first.world_size)]
     try:
         store.wait(keys, timeout)
     except RuntimeError:
@@ -357,8 +379,10 @@ def _verdict(store: dist.Store, first: RankInfo, timeout: timedelta) -> dict[str
         )
         if beyond := _rank_beyond(store, first.world_size):  # a launch with a larger world
             error = _world_size_message(first, beyond)
-        return {"error": error, "leader": asdict(first), "device": "cpu"}
-    infos = [RankInfo(**json.loads(store.get(key))) for key in keys]
+        return {"error": refusal or error, "leader": asdict(first), "device": "cpu"}
+    if refusal:  # no device to agree on: nothing will train
+        return {"error": refusal, "leader": asdict(first), "device": "cpu"}
+    infos = [RankInfo.from_json(store.get(key)) for key in keys]
     device, error = agreed_device(infos)
     note = gpu_fallback_note(infos)
     if note:
@@ -366,13 +390,23 @@ def _verdict(store: dist.Store, first: RankInfo, timeout: timedelta) -> dict[str
     return {"error": disagreement(infos) or error, "leader": asdict(first), "device": device}
 
 
+def _prefix() -> str:
+    """The rendezvous keys' prefix: under torchrun, whose agent keeps its store across a
+    restart of the ranks (``--max-restarts``), one per attempt, so that a restarted rank
+    never reads the previous attempt's verdict."""
+    return f"{KEY_PREFIX}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+BEYOND_FACTOR = 4  # ranks looked for beyond rank 0's world: up to a 4× larger launch
+
+
 def _rank_beyond(store: dist.Store, world_size: int) -> RankInfo | None:
     """The entry of a rank outside rank 0's world that came to its store, if any (ranks
     started with a larger world size: their ranks 0..n-1 may never come)."""
-    for rank in range(world_size, 4 * world_size + 8):
-        key = f"{KEY_PREFIX}/rank{rank}"
+    for rank in range(world_size, BEYOND_FACTOR * world_size + BEYOND_FACTOR):
+        key = f"{_prefix()}/rank{rank}"
         if store.check([key]):
-            return RankInfo(**json.loads(store.get(key)))
+            return RankInfo.from_json(store.get(key))
     return None
 
 

@@ -39,6 +39,7 @@ class RankEnv:
     master_port: int
     group_rank: int | None = None  # the node's index where the launcher says (GROUP_RANK)
     job: str = ""  # the launch as the launcher names it (Slurm step, MPI job), "" if unnamed
+    attempt: int = 0  # the launcher's restart of this launch (torchrun --max-restarts, requeue)
 
     @property
     def node_rank(self) -> int:
@@ -123,6 +124,7 @@ def _from_torchrun(env: Mapping[str, str], addr: str | None, port: int | None) -
         master_port=port or _int(env, "MASTER_PORT", DEFAULT_PORT),
         group_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else None,
         job="" if run_id == "none" else f"torchrun run {run_id}",
+        attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
     )
     return _checked(found, "RANK", "WORLD_SIZE")
 
@@ -149,6 +151,7 @@ def _from_slurm(env: Mapping[str, str], addr: str | None, port: int | None) -> R
         # Nodes may hold different numbers of tasks ("3,2"): the node index is Slurm's.
         group_rank=node_id if "SLURM_NODEID" in env else None,
         job=f"Slurm step {step}",
+        attempt=_int(env, "SLURM_RESTART_COUNT", 0),
     )
     return _checked(found, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
 

@@ -10,8 +10,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import UserError
 from gradsync.models import (
@@ -73,10 +74,26 @@ def check_model(
         parse_options(spec.options, request.options, name)
 
 
+def resolved_options(name: str, options: Mapping[str, str]) -> dict[str, Any]:
+    """A registered model's ``--model-option`` values as it reads them: parsed, defaults
+    filled. A user model's options, which gradsync cannot parse, as written.
+
+    Example:
+        >>> resolved_options("lstm-lm", {"sparse": "yes"})["sparse"]
+        True
+    """
+    if is_user_model(name) or name not in REGISTRY:
+        return dict(options)
+    try:
+        parsed = parse_options(REGISTRY[name].options, options, name)
+    except UserError:
+        return dict(options)
+    return {} if parsed is None else dataclasses.asdict(parsed)
+
+
 def same_options(name: str, first: Mapping[str, str], second: Mapping[str, str]) -> bool:
-    """Whether two ``--model-option`` sets build the same registered model: a value written
-    another way (``sparse=yes``) or equal to its default counts as the same. A user model's
-    options, which gradsync cannot parse, are compared as written.
+    """Whether two ``--model-option`` sets build the same model: a value written another
+    way (``sparse=yes``) or equal to its default counts as the same.
 
     Example:
         >>> same_options("lstm-lm", {"sparse": "yes"}, {"sparse": "true"})
@@ -86,13 +103,7 @@ def same_options(name: str, first: Mapping[str, str], second: Mapping[str, str])
         >>> same_options("lstm-lm", {"sparse": "true"}, {})
         False
     """
-    if is_user_model(name) or name not in REGISTRY:
-        return dict(first) == dict(second)
-    options_type = REGISTRY[name].options
-    try:
-        return parse_options(options_type, first, name) == parse_options(options_type, second, name)
-    except UserError:
-        return dict(first) == dict(second)
+    return resolved_options(name, first) == resolved_options(name, second)
 
 
 def build_workload(
@@ -179,6 +190,7 @@ __all__ = [
     "build_workload",
     "check_model",
     "model_spec",
+    "resolved_options",
     "same_options",
     "shared_workloads",
     "workload_of",

@@ -197,6 +197,63 @@ def test_rank_0_claims_the_folder_under_torchrun(workdir: Path) -> None:
     assert {event["pid"] for event in events} == {0, 1}
 
 
+FAILS_ON_FIRST_ATTEMPT = """
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def build(**request):
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
+        raise RuntimeError("rank 1 fails on the first attempt")
+    generator = torch.Generator().manual_seed(request.get("seed", 0))
+    data = TensorDataset(torch.randn(64, 8, generator=generator), torch.arange(64) % 3)
+    return nn.Linear(8, 3), data, nn.functional.cross_entropy
+"""
+
+
+def test_a_torchrun_restart_takes_its_own_folder_back(workdir: Path) -> None:
+    """Rank 0 claimed --out on the first attempt; the restarted launch (--max-restarts) is
+    the same run id, so it is not refused as 'already holds a run'."""
+    (workdir / "flaky.py").write_text(FAILS_ON_FIRST_ATTEMPT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-id=flaky",
+            "-m",
+            "gradsync",
+            "train",
+            "--model",
+            "flaky.py:build",
+            "--strategy",
+            "allreduce",
+            "--steps",
+            "3",
+            "--global-batch",
+            "8",
+            "--timeout",
+            "60",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 1 fails on the first attempt" in result.stdout + result.stderr
+    out = workdir / "runs" / "train-allreduce-torchrun-run-flaky"
+    assert json.loads((out / "summary.json").read_text())["workers"] == 2
+    assert json.loads((out / "launch.json").read_text()) == {"job": "torchrun run flaky"}
+
+
 def _torchrun(workdir: Path, processes: int, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [

@@ -20,6 +20,7 @@ from gradsync.rendezvous import (
     agreed_device,
     check_resolves,
     disagreement,
+    first_difference,
     gpu_fallback_note,
 )
 from gradsync.topology import RankEnv
@@ -176,8 +177,8 @@ def test_the_rendezvous_tells_every_rank_the_device() -> None:
 
 
 def test_ranks_of_two_jobs_at_one_address_are_refused() -> None:
-    first = RankInfo(rank=0, world_size=2, host="n0", job="Slurm step 7.0")
-    intruder = RankInfo(rank=1, world_size=2, host="n0", job="Slurm step 7.1")
+    first = RankInfo(rank=0, world_size=2, host="n0", job="Slurm step 7.0", protocol=2)
+    intruder = RankInfo(rank=1, world_size=2, host="n0", job="Slurm step 7.1", protocol=2)
     outcomes = _meet([first, intruder])
     expected = "rank 1 on n0 belongs to Slurm step 7.1 but rank 0 on n0 to Slurm step 7.0"
     assert all(expected in text for text in outcomes), outcomes
@@ -185,15 +186,43 @@ def test_ranks_of_two_jobs_at_one_address_are_refused() -> None:
 
 def test_a_rank_started_with_other_options_is_named() -> None:
     settings = TrainConfig(seed=3).shared_settings()
-    other = {**settings, "seed": 4}
+    other = {**settings, "--seed": 4}
     first = RankInfo(rank=0, world_size=2, host="n0", settings=settings)
     outcomes = _meet([first, RankInfo(rank=1, world_size=2, host="n1", settings=other)])
-    expected = "rank 1 on n1 was started with seed 4, rank 0 on n0 with 3"
+    expected = "rank 1 on n1 was started with --seed 4, rank 0 on n0 with 3"
     assert all(expected in text for text in outcomes), outcomes
-    # Where each node writes is its own affair.
-    elsewhere = TrainConfig(seed=3, out="node1").shared_settings()
-    same = RankInfo(rank=1, world_size=2, host="n1", settings=elsewhere)
-    assert _meet([first, same]) == ["ok", "ok"]
+
+
+def test_what_may_differ_between_nodes_does_not_stop_the_job() -> None:
+    """Where each node reads and writes, how it launches and logs, and a setting written
+    another way (its default typed out, sparse=yes for sparse=true) are the same job."""
+    from gradsync.config import LaunchConfig, OptimConfig
+
+    base = TrainConfig(model="lstm-lm", preset="tiny", strategy="ps", seed=3)
+    same_job = base.replace(
+        out="node1",
+        data=None,
+        log_every=7,
+        measure_warmup=5,
+        timeline=None,
+        launch=LaunchConfig(threads=3, timeout_s=99),
+        optim=OptimConfig(lr=0.05),
+        model_options={"sparse": "no"},
+        strategy_options={"servers": 1},
+    )
+    assert first_difference(base.shared_settings(), same_job.shared_settings()) is None
+    sparse = base.replace(model_options={"sparse": "yes"})
+    assert first_difference(base.shared_settings(), sparse.shared_settings()) == (
+        "--model-option sparse",
+        False,
+        True,
+    )
+
+
+def test_an_older_gradsync_is_named_as_such_not_as_another_job() -> None:
+    old = RankInfo.from_json('{"rank": 1, "world_size": 2, "host": "n1", "gradsync": "0.1.0"}')
+    new = RankInfo(rank=0, world_size=2, host="n0", job="Slurm step 7.0", protocol=2)
+    assert "rendezvous protocol 1 but rank 0 on n0 one of 2" in (disagreement([new, old]) or "")
 
 
 def test_a_larger_world_whose_low_ranks_never_come_is_named() -> None:
