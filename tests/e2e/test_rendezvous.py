@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_ranks_started_with_different_world_sizes(workdir: Path) -> None:
     port = str(free_port())
     argv = [sys.executable, "-m", "gradsync", "train", "--model", "mnist-cnn", "--preset"]
-    argv += ["tiny", "--strategy", "allreduce", "--steps", "2", "--timeout", "60"]
+    argv += ["tiny", "--strategy", "allreduce", "--steps", "2", "--timeout", "60", "--out", "run"]
     ranks = [
         subprocess.Popen(
             argv,
