@@ -157,23 +157,17 @@ def disagreement(infos: Sequence[RankInfo]) -> str | None:
     return None
 
 
-def first_difference(
-    ours: dict[str, Any], theirs: dict[str, Any], prefix: str = ""
-) -> tuple[str, Any, Any] | None:
-    """The first key (dotted, sorted) whose value differs between two settings, with both
-    values; None when they are equal.
+def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first key (sorted) whose value differs between two ranks' settings
+    (:meth:`TrainConfig.shared_settings`, by flag), with both values; None when equal.
 
     Example:
-        >>> first_difference({"seed": 3, "optim": {"lr": 0.1}}, {"seed": 3, "optim": {"lr": 1}})
-        ('optim.lr', 0.1, 1)
+        >>> first_difference({"--seed": 3, "--lr": 0.1}, {"--seed": 3, "--lr": 1})
+        ('--lr', 0.1, 1)
     """
     for key in sorted(ours.keys() | theirs.keys()):
-        mine, other = ours.get(key), theirs.get(key)
-        if isinstance(mine, dict) and isinstance(other, dict):
-            if found := first_difference(mine, other, f"{prefix}{key}."):
-                return found
-        elif mine != other:
-            return f"{prefix}{key}", mine, other
+        if ours.get(key) != theirs.get(key):
+            return key, ours.get(key), theirs.get(key)
     return None
 
 
