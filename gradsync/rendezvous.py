@@ -253,11 +253,12 @@ def rendezvous(
         # The store's server lives as long as this process, not as this object: the other
         # ranks may still be reading the verdict when rank 0 raises it or moves on.
         _HOSTED_STORES.append(store)
-    store.set(f"{_prefix()}/rank{env.rank}", json.dumps(asdict(info)))
+    prefix = _prefix(env)
+    store.set(f"{prefix}/rank{env.rank}", json.dumps(asdict(info)))
     if env.rank == 0:
-        verdict = _verdict(store, info, timeout, refusal=refusal)
-        store.set(f"{_prefix()}/verdict", json.dumps(verdict))
-    verdict = json.loads(_get(store, f"{_prefix()}/verdict", env, timeout))
+        verdict = _verdict(store, prefix, info, timeout, refusal=refusal)
+        store.set(f"{prefix}/verdict", json.dumps(verdict))
+    verdict = json.loads(_get(store, f"{prefix}/verdict", env, timeout))
     if verdict["error"]:
         raise UserError(verdict["error"])
     leader = RankInfo.from_json(json.dumps(verdict["leader"]))
@@ -357,11 +358,11 @@ def _connect(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
 
 
 def _verdict(
-    store: dist.Store, first: RankInfo, timeout: timedelta, *, refusal: str = ""
+    store: dist.Store, prefix: str, first: RankInfo, timeout: timedelta, *, refusal: str = ""
 ) -> dict[str, object]:
     """Rank 0's verdict once every rank's entry is in (or the wait timed out): the first
     error (its own ``refusal`` first), rank 0's entry, the device they train on."""
-    keys = [f"{_prefix()}/rank{r}" for r in range(first.world_size)]
+    keys = [f"{prefix}/rank{r}" for r in range(first.world_size)]
     try:
         store.wait(keys, timeout)
     except RuntimeError:
@@ -371,7 +372,7 @@ def _verdict(
             f"rendezvous within {timeout.total_seconds():g} s; start every rank (or pass "
             "--timeout with more seconds)"
         )
-        if beyond := _rank_beyond(store, first.world_size):  # a launch with a larger world
+        if beyond := _rank_beyond(store, prefix, first.world_size):  # a launch with a larger world
             error = _world_size_message(first, beyond)
         return {"error": refusal or error, "leader": asdict(first), "device": "cpu"}
     if refusal:  # no device to agree on: nothing will train
@@ -384,21 +385,21 @@ def _verdict(
     return {"error": disagreement(infos) or error, "leader": asdict(first), "device": device}
 
 
-def _prefix() -> str:
-    """The rendezvous keys' prefix: under torchrun, whose agent keeps its store across a
-    restart of the ranks (``--max-restarts``), one per attempt, so that a restarted rank
-    never reads the previous attempt's verdict."""
-    return f"{KEY_PREFIX}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+def _prefix(env: RankEnv) -> str:
+    """The rendezvous keys' prefix, one per attempt of the launch (:attr:`RankEnv.attempt`):
+    torchrun's agent keeps its store across a restart of the ranks (``--max-restarts``), so
+    a restarted rank must never read the previous attempt's verdict."""
+    return f"{KEY_PREFIX}/attempt{env.attempt}"
 
 
 BEYOND_FACTOR = 4  # ranks looked for beyond rank 0's world: up to a 4× larger launch
 
 
-def _rank_beyond(store: dist.Store, world_size: int) -> RankInfo | None:
+def _rank_beyond(store: dist.Store, prefix: str, world_size: int) -> RankInfo | None:
     """The entry of a rank outside rank 0's world that came to its store, if any (ranks
     started with a larger world size: their ranks 0..n-1 may never come)."""
     for rank in range(world_size, BEYOND_FACTOR * world_size + BEYOND_FACTOR):
-        key = f"{_prefix()}/rank{rank}"
+        key = f"{prefix}/rank{rank}"
         if store.check([key]):
             return RankInfo.from_json(store.get(key))
     return None
