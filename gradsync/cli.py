@@ -523,9 +523,6 @@ def _train_as_a_rank(args: argparse.Namespace, env: RankEnv, common: dict[str, o
     return EXIT_OK
 
 
-LAUNCH_FILE = "launch.json"  # the launch that claimed a run folder under a launcher
-
-
 def _claim_for_the_ranks(config: TrainConfig, env: RankEnv, *, overwrite: bool) -> None:
     """Rank 0 of a launcher's job claims ``--out`` as gradsync's own launcher does, before
     any rank may write there (they wait for rank 0 at the rendezvous); when the folder
@@ -537,6 +534,7 @@ def _claim_for_the_ranks(config: TrainConfig, env: RankEnv, *, overwrite: bool) 
     from gradsync.files import atomic_write_text
     from gradsync.jobs import prepare_out
     from gradsync.rendezvous import rendezvous
+    from gradsync.rundir import LAUNCH_FILE
 
     out = Path(config.out)
     try:
@@ -551,6 +549,8 @@ def _claim_for_the_ranks(config: TrainConfig, env: RankEnv, *, overwrite: bool) 
 
 def _restart_of(env: RankEnv, out: Path) -> bool:
     """Whether this is the launcher restarting the launch that claimed ``out``."""
+    from gradsync.rundir import LAUNCH_FILE
+
     if env.attempt == 0 or not env.job:
         return False
     try:

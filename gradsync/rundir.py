@@ -19,6 +19,7 @@ from gradsync.errors import JobFailed, UserError, one_line
 from gradsync.files import atomic_write_text
 
 FAILURE_FILE = "failure.txt"  # a failed job's whole error (record_failure)
+LAUNCH_FILE = "launch.json"  # under torchrun, srun or mpirun: the launch that claimed it
 
 # Files and folders a gradsync job writes at the top of its run folder.
 RUN_MARKERS = (
@@ -27,7 +28,7 @@ RUN_MARKERS = (
     "metrics",
     "stdout.log",
     "checkpoint.safetensors",
-    "launch.json",  # train under torchrun, srun or mpirun: the launch that claimed it
+    LAUNCH_FILE,
     "verify.json",
     "results.jsonl",
     "commbench.json",
