@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
@@ -340,6 +341,8 @@ def _connect(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
         listen_fd = None
         if hosts_store:  # the store's server listens on the master address only
             listen_fd = listen_socket(env.master_addr, env.master_port).detach()
+        else:  # wait here, quietly: the C++ client logs a stack trace per failed try
+            wait_until_listening(env.master_addr, env.master_port, timeout)
         return dist.TCPStore(
             env.master_addr,
             env.master_port,
@@ -355,6 +358,29 @@ def _connect(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
             f"rank {env.rank} could not {action} {where} within {timeout.total_seconds():g} s "
             f"({first_line[:200]}); check --master-addr/--master-port (and that rank 0 runs)"
         ) from None
+
+
+def wait_until_listening(host: str, port: int, timeout: timedelta, *, poll_s: float = 0.2) -> None:
+    """Return once ``host:port`` accepts a TCP connection; raise :class:`OSError` (the last
+    connection error) after ``timeout``. A rank that starts before rank 0 waits here rather
+    than in the C++ store client, which logs a 40-line stack trace on every failed try and
+    tries twice (twice the timeout).
+
+    Example:
+        >>> with listen_socket("127.0.0.1", 0) as sock:
+        ...     sock.listen()
+        ...     wait_until_listening("127.0.0.1", sock.getsockname()[1], timedelta(seconds=1))
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0))):
+                return
+        except OSError:
+            if time.monotonic() + poll_s >= deadline:
+                raise
+        time.sleep(poll_s)
 
 
 def _verdict(

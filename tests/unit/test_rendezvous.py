@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -116,6 +117,35 @@ def test_unresolvable_master_address_stops_the_rendezvous(monkeypatch: pytest.Mo
     monkeypatch.setattr(rendezvous, "check_resolves", _refuse)
     with pytest.raises(UserError, match="refused"):
         rendezvous.rendezvous(_env(0, 2, free_port()), TIMEOUT)
+
+
+def test_a_rank_waiting_for_an_absent_rank_0_says_so_in_one_line(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """No rank 0 ever listens: one line naming the address, nothing of the C++ client's
+    stack traces on stderr."""
+    with pytest.raises(UserError) as caught:
+        rendezvous.rendezvous(_env(1, 2, free_port()), timedelta(seconds=1))
+    assert "rank 1 could not reach the rendezvous at 127.0.0.1:" in str(caught.value)
+    assert "Connection refused" in str(caught.value)
+    assert "frame #" not in capfd.readouterr().err
+
+
+def test_a_rank_that_starts_before_rank_0_waits_for_it() -> None:
+    port = free_port()
+    late = threading.Timer(0.5, lambda: _listen_then_close(port))
+    started = time.monotonic()
+    late.start()
+    rendezvous.wait_until_listening("127.0.0.1", port, timedelta(seconds=10))
+    assert time.monotonic() - started >= 0.5  # it waited for the listener (never early)
+    late.join()
+
+
+def _listen_then_close(port: int) -> None:
+    with rendezvous.listen_socket("127.0.0.1", port) as sock:
+        sock.listen()
+        sock.settimeout(10)
+        sock.accept()[0].close()
 
 
 def _refuse(master_addr: str) -> None:
