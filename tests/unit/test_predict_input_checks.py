@@ -177,6 +177,22 @@ def test_the_recommendation_keeps_the_options_listed(
     assert found["default"] == "allreduce:fusion_threshold_mb=0.0"
 
 
+def test_the_knob_gain_is_over_the_fastest_listed_setting_of_the_strategy(
+    four_variables: Path, tmp_path: Path
+) -> None:
+    """With ps:servers=1 and ps:servers=4 listed, the gain of the best ps setting was
+    quoted over servers=1 (the first listed), not over the faster servers=4."""
+    specs = "ps:servers=1,ps:servers=4"
+    argv = ["--profile", str(four_variables), "--strategies", specs, "--workers", "4"]
+    (found,) = recommendations_of(argv, tmp_path / "out")
+    points = json.loads((tmp_path / "out" / "predictions.json").read_text())["points"]
+    listed = {row["strategy"]: row["throughput"] for row in points}
+    assert listed["ps:servers=4"] > listed["ps:servers=1"]  # the case this test is about
+    best = float(str(found["best_throughput"]))
+    expected = best / listed["ps:servers=4"] - 1
+    assert found["gain_over_strategy_default"] == pytest.approx(expected)
+
+
 # -- 8/11. a damaged commbench.json for --calibrate is one line naming the file -------------
 
 
