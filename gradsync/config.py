@@ -287,13 +287,15 @@ class TrainConfig:
             >>> a.shared_settings() == b.shared_settings(), a.shared_settings()["--seed"]
             (True, 3)
         """
-        from gradsync.models import resolved_options
+        from gradsync.models import default_global_batch, resolved_options
         from gradsync.options import flag_of
 
         settings: dict[str, Any] = {
             f"--{name.replace('_', '-')}": getattr(self, name) for name in SHARED_FIELDS
         }
         settings["--timeline"] = self.timeline is not None
+        if self.global_batch is None:  # the preset's, written or not
+            settings["--global-batch"] = default_global_batch(self.model, self.preset)
         optim = self.optim
         settings.update(
             {

@@ -27,7 +27,7 @@ from gradsync.models import (
     vgg19,
 )
 from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
-from gradsync.models.user import build_user_workload, is_user_model
+from gradsync.models.user import DEFAULT_USER_GLOBAL_BATCH, build_user_workload, is_user_model
 
 if TYPE_CHECKING:
     from gradsync.config import TrainConfig
@@ -72,6 +72,20 @@ def check_model(
         spec = model_spec(name)
         check_preset(preset, name)
         parse_options(spec.options, request.options, name)
+
+
+def default_global_batch(name: str, preset: str) -> int | None:
+    """The global batch a run of ``name`` at ``preset`` takes when ``--global-batch`` is left
+    out, known without building the model; None for an unknown model or preset.
+
+    Example:
+        >>> default_global_batch("mnist-cnn", "tiny"), default_global_batch("nope", "tiny")
+        (8, None)
+    """
+    if is_user_model(name):
+        return DEFAULT_USER_GLOBAL_BATCH
+    config = REGISTRY[name].presets.get(preset) if name in REGISTRY else None
+    return None if config is None else config.global_batch
 
 
 def resolved_options(name: str, options: Mapping[str, str]) -> dict[str, Any]:
@@ -189,6 +203,7 @@ __all__ = [
     "Workload",
     "build_workload",
     "check_model",
+    "default_global_batch",
     "model_spec",
     "resolved_options",
     "same_options",

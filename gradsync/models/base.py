@@ -60,13 +60,15 @@ class BuildRequest:
 class ModelSpec:
     """One registry entry: ``name`` → ``build(request) -> Workload``.
 
-    ``options`` is a dataclass type for ``--model-option KEY=VALUE`` (or None).
+    ``options`` is a dataclass type for ``--model-option KEY=VALUE`` (or None);
+    ``presets`` maps each preset's name to its configuration, which has a ``global_batch``.
     """
 
     name: str
     summary: str
     build: Callable[[BuildRequest], Workload]
     options: type | None = None
+    presets: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def parse_options(options_type: type | None, raw: Mapping[str, str], model: str) -> Any:

@@ -411,5 +411,6 @@ SPEC = ModelSpec(
     name=NAME,
     summary="Inception-v3 (Szegedy et al. 2016), 299x299; option aux (auxiliary classifier)",
     build=build,
+    presets=PRESETS,
     options=InceptionOptions,
 )

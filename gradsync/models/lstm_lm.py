@@ -347,5 +347,6 @@ SPEC = ModelSpec(
     name=NAME,
     summary="Zaremba et al. 2014 LSTM LM; options sparse, sampled_softmax, vocab",
     build=build,
+    presets=PRESETS,
     options=LSTMOptions,
 )

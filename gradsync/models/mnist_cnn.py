@@ -153,4 +153,5 @@ SPEC = ModelSpec(
     name=NAME,
     summary="TensorFlow official MNIST CNN: 2 conv 5x5 + fc 1024, dropout 0.4, batch 100",
     build=build,
+    presets=PRESETS,
 )

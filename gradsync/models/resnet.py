@@ -171,4 +171,5 @@ SPEC = ModelSpec(
     name=NAME,
     summary="CIFAR ResNet-56 (6n+2, n=9, option-A shortcuts, batch norm), batch 128",
     build=build,
+    presets=PRESETS,
 )

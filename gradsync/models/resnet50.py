@@ -198,4 +198,5 @@ SPEC = ModelSpec(
     name=NAME,
     summary="ResNet-50 (He et al. 2016, bottleneck, projection shortcuts), ImageNet size",
     build=build,
+    presets=PRESETS,
 )

@@ -260,5 +260,6 @@ SPEC = ModelSpec(
     name=NAME,
     summary="Sockeye RNN (Hieber et al. 2017): biLSTM encoder, MLP attention; sparse, tied",
     build=build,
+    presets=PRESETS,
     options=SockeyeOptions,
 )

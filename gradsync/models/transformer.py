@@ -260,4 +260,5 @@ SPEC = ModelSpec(
     name=NAME,
     summary="Transformer base (Vaswani et al. 2017) for translation, label smoothing 0.1",
     build=build,
+    presets=PRESETS,
 )

@@ -191,4 +191,5 @@ SPEC = ModelSpec(
     name=NAME,
     summary="VGG-16 (configuration D, no batch norm), ImageNet size or a CIFAR-size variant",
     build=build,
+    presets=PRESETS,
 )

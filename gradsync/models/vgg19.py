@@ -80,4 +80,5 @@ SPEC = ModelSpec(
     name=NAME,
     summary="VGG-19 (configuration E, no batch norm), ImageNet size or a CIFAR-size variant",
     build=build,
+    presets=PRESETS,
 )

@@ -225,7 +225,8 @@ def test_a_rank_started_with_other_options_is_named() -> None:
 
 def test_what_may_differ_between_nodes_does_not_stop_the_job() -> None:
     """Where each node reads and writes, how it launches and logs, and a setting written
-    another way (its default typed out, sparse=yes for sparse=true) are the same job."""
+    another way (its default typed out, the preset's --global-batch too, sparse=yes for
+    sparse=true) are the same job."""
     from gradsync.config import LaunchConfig, OptimConfig
 
     base = TrainConfig(model="lstm-lm", preset="tiny", strategy="ps", seed=3)
@@ -239,8 +240,15 @@ def test_what_may_differ_between_nodes_does_not_stop_the_job() -> None:
         optim=OptimConfig(lr=0.05),
         model_options={"sparse": "no"},
         strategy_options={"servers": 1},
+        global_batch=8,  # lstm-lm tiny's own
     )
     assert first_difference(base.shared_settings(), same_job.shared_settings()) is None
+    other_batch = base.replace(global_batch=16)
+    assert first_difference(base.shared_settings(), other_batch.shared_settings()) == (
+        "--global-batch",
+        8,
+        16,
+    )
     sparse = base.replace(model_options={"sparse": "yes"})
     assert first_difference(base.shared_settings(), sparse.shared_settings()) == (
         "--model-option sparse",
