@@ -20,14 +20,19 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub-flavoured Markdown table.
+    """A GitHub-flavoured Markdown table; a ``|`` in a header or a cell is escaped, so it
+    stays in its column.
 
     Example:
-        >>> print(markdown_table(["a", "b"], [["1", "2"]]))
-        | a | b |
+        >>> print(markdown_table(["a", "max |Δ|"], [["1", "2"]]))
+        | a | max \\|Δ\\| |
         |---|---|
         | 1 | 2 |
     """
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    lines = [_markdown_row(headers), "|" + "---|" * len(headers)]
+    lines += [_markdown_row(row) for row in rows]
     return "\n".join(lines)
+
+
+def _markdown_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
