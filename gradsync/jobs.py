@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,21 @@ def check_every_host_used(config: TrainConfig) -> None:
     """
     if config.launch.hosts:
         check_hosts_filled(world_size_of(config), config.launch.hosts, config.launch.ranks_per_host)
+
+
+def check_largest_job_fills_hosts(configs: Sequence[TrainConfig]) -> None:
+    """UserError when the emulated hosts of a sweep (``verify``, ``bench``) are more than even
+    its largest job fills: every cell would measure fewer hosts than asked for. A smaller
+    job beside a larger one may leave hosts empty (a one-worker cell runs on one host).
+
+    Example:
+        >>> check_largest_job_fills_hosts([TrainConfig(strategy="allreduce", workers=2)])
+    """
+    shaped = [config for config in configs if config.launch.hosts]
+    if shaped:
+        largest = max(shaped, key=world_size_of)
+        launch = largest.launch
+        check_hosts_filled(world_size_of(largest), launch.hosts, launch.ranks_per_host)
 
 
 MAX_RANKS_PER_CORE = 64  # beyond this a local job measures the scheduler, not training

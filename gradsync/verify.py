@@ -49,7 +49,7 @@ from gradsync.config import TrainConfig
 from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.files import atomic_write_text
-from gradsync.jobs import run_job, validate
+from gradsync.jobs import check_largest_job_fills_hosts, run_job, validate
 from gradsync.metrics import load_summary
 from gradsync.models import shared_workloads, workload_of
 from gradsync.options import InvalidOption, field_names, parse_texts
@@ -371,15 +371,16 @@ def check_cells(
     given: Mapping[str, Any],
     out: Path,
 ) -> None:
-    """UserError, before any job, for a bad strategy spec, a device the jobs cannot have
-    or a command-line option that none of ``strategies`` takes."""
+    """UserError, before any job, for a bad strategy spec, a device the jobs cannot have,
+    ``--hosts`` that not even the largest job fills, or a command-line option that none of
+    ``strategies`` takes."""
     if all(spec.split(":")[0] == REFERENCE for spec in strategies):
         raise UserError(
             f"--strategies {','.join(strategies)} names only the reference ({REFERENCE}), so "
             "nothing would be compared with it; name the strategies to verify, e.g. "
             "--strategies ddp,allreduce"
         )
-    _cell_configs(base, _cells(strategies, workers), out, given)
+    check_largest_job_fills_hosts(_cell_configs(base, _cells(strategies, workers), out, given))
     taken = {key for spec in strategies for key in field_names(options_class(spec.split(":")[0]))}
     if unused := sorted(set(given) - taken):
         names = ", ".join("--" + key.replace("_", "-") for key in unused)

@@ -38,7 +38,7 @@ from gradsync.config import LaunchConfig, OptimConfig, TrainConfig
 from gradsync.devices import on_one_device
 from gradsync.errors import JobFailed, UserError
 from gradsync.files import end_line_cut_short, read_cell_records
-from gradsync.jobs import run_job, validate
+from gradsync.jobs import check_largest_job_fills_hosts, run_job, validate
 from gradsync.metrics import METRICS_DIR, read_records
 from gradsync.models import shared_workloads
 from gradsync.rundir import claim_resumable_dir, record_failure
@@ -263,6 +263,7 @@ def run_sweep(
     with shared_workloads():  # each model built once for all its cells' checks
         for config in configs.values():
             validate(config, local=launcher == "local")  # a bad matrix fails before any job
+        check_largest_job_fills_hosts(list(configs.values()))
         check_equal_workloads(experiment, configs, launcher=launcher)  # compared cells alike
     claim_results_dir(out, experiment, overwrite=overwrite)
     records = load_records(out)  # read once: a line cut short warns once

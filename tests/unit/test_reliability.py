@@ -3,6 +3,7 @@ checkpoint metadata, resume checks, a loss that is not finite."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -616,6 +617,31 @@ def test_train_refuses_emulated_hosts_its_ranks_would_leave_empty() -> None:
         check_every_host_used(job(2, 3, per_host=2, servers=1))
     with pytest.raises(UserError, match="pass --hosts 2, or more --workers"):
         check_every_host_used(job(1, 3, servers=1))
+
+
+def test_verify_refuses_emulated_hosts_that_not_even_its_largest_job_fills(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`verify --workers 2 --hosts 3` ran every cell on 2 hosts, rc 0, where train refuses
+    (session 31's probe). A smaller cell beside one that fills the hosts still runs."""
+    from gradsync.cli import main
+    from gradsync.verify import check_cells
+
+    argv = ["verify", "--preset", "tiny", "--strategies", "allreduce", "--workers", "2"]
+    hosts = ["--hosts", "3", "--bandwidth", "1gbit", "--out", str(tmp_path / "v")]
+    assert main([*argv, *hosts]) == 2
+    assert "--hosts 3, but the job's 2 rank(s) fill only 2 host(s)" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
+    base = TrainConfig(preset="tiny", launch=dataclasses.replace(TrainConfig().launch, hosts=3))
+    check_cells(base, ["allreduce"], [1, 6], {}, tmp_path / "w")
+    bench = tmp_path / "hosts.toml"
+    bench.write_text(
+        'name = "h"\nmodels = ["mnist-cnn"]\npreset = "tiny"\nstrategies = ["allreduce"]\n'
+        'workers = [2]\nsteps = 3\nbandwidths = ["1gbit"]\nhosts = 3\n'
+    )
+    assert main(["bench", str(bench), "--out", str(tmp_path / "b")]) == 2
+    assert "--hosts 3, but the job's 2 rank(s)" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
 
 
 def test_overwrite_and_resume_replace_only_a_trace_or_a_profile(tmp_path: Path) -> None:
