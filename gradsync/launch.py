@@ -325,7 +325,7 @@ def _warn_if_oversubscribed(local_size: int) -> None:
     if local_size > OVERSUBSCRIBED * cores:
         print(
             f"gradsync: warning: {local_size} ranks on {cores} core(s) is "
-            f"{local_size / cores:.0f} ranks per core (more than {OVERSUBSCRIBED}); each step "
+            f"{local_size / cores:.3g} ranks per core (more than {OVERSUBSCRIBED}); each step "
             "waits for every rank in turn, so expect slow steps (and raise --hang-timeout)",
             file=sys.stderr,
             flush=True,

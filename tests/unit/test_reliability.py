@@ -683,3 +683,14 @@ def test_a_folder_another_job_is_writing_is_refused_until_it_ends(tmp_path: Path
     finally:
         holder.communicate("")  # it ends, and its lock with it
     claim_run_dir(tmp_path / "run", overwrite=False)
+
+
+def test_the_oversubscription_warning_does_not_round_below_its_limit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """9 ranks on 2 cores read "4 ranks per core (more than 4)" (session 31's probe)."""
+    from gradsync import launch
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    launch._warn_if_oversubscribed(9)
+    assert "9 ranks on 2 core(s) is 4.5 ranks per core (more than 4)" in capsys.readouterr().err
