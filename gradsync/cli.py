@@ -134,13 +134,20 @@ def _add_model_options(
         help="model option, e.g. sparse=true (repeatable)",
     )
     group.add_argument("--data", help="real data file or folder (default: synthetic data)")
-    group.add_argument("--steps", type=_positive_int, default=default_steps)
+    group.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=default_steps,
+        help=f"training steps (default {default_steps})",
+    )
     group.add_argument(
         "--global-batch",
         type=_positive_int,
         help="samples per step over all workers (default: the preset's)",
     )
-    group.add_argument("--seed", type=_seed, default=0)
+    group.add_argument(
+        "--seed", type=_seed, default=0, help="seeds the model, the data and dropout (default 0)"
+    )
     group.add_argument(
         "--batchnorm",
         choices=BATCHNORM_MODES,
@@ -155,7 +162,7 @@ def _add_model_options(
     optim.add_argument(
         "--momentum", type=float, help="SGD's momentum (default 0.9; adam keeps its own moments)"
     )
-    optim.add_argument("--weight-decay", type=float, default=0.0)
+    optim.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty (default 0)")
     optim.add_argument(
         "--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up (steps)"
     )
@@ -182,14 +189,20 @@ def _add_model_options(
     run.add_argument(
         "--interop-threads", type=_positive_int, help="inter-op threads per rank (default: torch's)"
     )
-    run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    run.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto (default): the GPUs when every rank gets one of its own, else the CPU",
+    )
     run.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
     )
     run.add_argument(
         "--measure-warmup",
         type=int,
-        help="steps left out of throughput (default: 10%%, at least 5)",
+        help="steps left out of throughput (default: 10%%, at least 5, always leaving one "
+        "step to measure)",
     )
     run.add_argument("--out", type=_path, help="results folder")
     _add_reliability_options(parser)
@@ -235,12 +248,20 @@ def _add_reliability_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_node_options(parser: argparse.ArgumentParser) -> None:
     nodes = parser.add_argument_group("multi-node (gradsync's own launcher)")
-    nodes.add_argument("--nnodes", type=_positive_int, default=1)
-    nodes.add_argument("--node-rank", type=int, default=0)
+    nodes.add_argument(
+        "--nnodes", type=_positive_int, default=1, help="nodes of the job, each started alike"
+    )
+    nodes.add_argument(
+        "--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)"
+    )
     nodes.add_argument(
         "--master-addr", help="rendezvous host (default 127.0.0.1, or the launcher's MASTER_ADDR)"
     )
-    nodes.add_argument("--master-port", type=int)
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        help="rendezvous port (default: a free one for one node, 29500 for several)",
+    )
 
 
 def _add_netem_options(parser: argparse.ArgumentParser) -> None:
@@ -268,6 +289,14 @@ def _add_netem_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _strategy_names() -> list[str]:
+    """The registered strategies, plugins included."""
+    from gradsync.strategies import STRATEGIES, load_plugins
+
+    load_plugins()
+    return list(STRATEGIES)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gradsync",
@@ -280,7 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = commands.add_parser("train", help="train with one strategy")
-    train.add_argument("--strategy", default="allreduce")
+    train.add_argument(
+        "--strategy",
+        default=TrainConfig.strategy,
+        help=f"one of {', '.join(_strategy_names())} (default {TrainConfig.strategy})",
+    )
     train.add_argument(
         "--workers",
         type=_positive_int,
@@ -289,7 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-every", type=int, default=0, help="also write the checkpoint every N steps"
     )
-    train.add_argument("--log-every", type=_positive_int)
+    train.add_argument(
+        "--log-every",
+        type=_positive_int,
+        metavar="N",
+        help="print a progress line every N steps (default: a tenth of --steps)",
+    )
     train.add_argument(
         "--deterministic", action="store_true", help="disable dropout, as verify does"
     )
@@ -312,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_netem_options(verify)
 
     demo = commands.add_parser("demo", help="quick side-by-side comparison of every strategy")
-    demo.add_argument("--workers", type=_positive_int, default=2)
+    demo.add_argument("--workers", type=_positive_int, default=2, help="(default 2)")
     _add_model_options(demo, default_steps=30)
 
     _add_commbench_parser(commands)
@@ -348,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="write the Markdown report of a sweep")
     report.add_argument("results", help="results folder of gradsync bench")
     timeline = commands.add_parser("timeline", help="analyse a --timeline trace")
-    timeline.add_argument("action", choices=["summarize"])
+    timeline.add_argument(
+        "action", choices=["summarize"], help="summarize: where each rank's step time went"
+    )
     timeline.add_argument("traces", nargs="+", help="Chrome-trace files from --timeline")
     timeline.add_argument(
         "--step",
@@ -723,7 +763,7 @@ def _add_commbench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before a collective gives up"
     )
-    bench.add_argument("--master-port", type=int)
+    bench.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     bench.add_argument("--out", type=_path, help="results folder")
     _add_overwrite(bench, "replace the results in --out")
     _add_netem_options(bench)

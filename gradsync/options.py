@@ -295,7 +295,7 @@ def add_option_flags(
         elif base is tuple:
             kwargs.update(action="append", metavar=meta.get("metavar") or "TEXT")
         else:
-            kwargs.update(type=_flag_parser(cls, name), metavar=meta.get("metavar"))
+            kwargs.update(type=_flag_parser(cls, name), metavar=meta.get("metavar") or name.upper())
             if meta.get("choices"):
                 kwargs["metavar"] = meta.get("metavar") or "|".join(meta["choices"])
         group.add_argument(flag_of(item), **kwargs)

@@ -70,10 +70,19 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "per-layer forward starts, per-variable gradient-ready times and bytes, and per-byte "
         "costs of copies, server aggregation and apply (medians after warm-up).",
     )
-    profile.add_argument("--model", default="transformer")
-    profile.add_argument("--preset", default="default")
     profile.add_argument(
-        "--model-option", action="append", type=_key_value, default=[], metavar="KEY=VALUE"
+        "--model",
+        default="transformer",
+        help="registered model, FILE.py:FUNCTION or package.module:FUNCTION (default transformer)",
+    )
+    profile.add_argument("--preset", default="default", help="tiny | default | paper")
+    profile.add_argument(
+        "--model-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="model option, e.g. sparse=true (repeatable)",
     )
     profile.add_argument(
         "--batch",
@@ -83,7 +92,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     profile.add_argument(
         "--workers", type=_positive, default=1, help="the run whose shard is profiled"
     )
-    profile.add_argument("--steps", type=_positive, default=10)
+    profile.add_argument(
+        "--steps", type=_positive, default=10, help="steps timed, warm-up included (default 10)"
+    )
     profile.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     profile.add_argument("--threads", type=_positive, default=1, help="intra-op threads")
     profile.add_argument(
@@ -106,10 +117,18 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="disable dropout, as `gradsync train --deterministic` does (default: the model "
         "as train runs it, dropout on)",
     )
-    profile.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    profile.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    profile.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    profile.add_argument("--out", type=_path, required=True, metavar="PROFILE.json")
+    profile.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where to time (default cpu)"
+    )
+    profile.add_argument(
+        "--dtype", choices=["float32", "float64"], default="float32", help="(default float32)"
+    )
+    profile.add_argument(
+        "--optimizer", choices=["sgd", "adam"], default="sgd", help="whose update is timed"
+    )
+    profile.add_argument(
+        "--out", type=_path, required=True, metavar="PROFILE.json", help="the profile to write"
+    )
     profile.add_argument(
         "--overwrite", action="store_true", help="replace an existing profile file"
     )

@@ -27,11 +27,14 @@ class DDPOptions(StrategyOptions):
 
     find_unused_parameters: bool = option(
         False,
-        help="torch DDP's flag of that name (default: turned on automatically when a "
-        "parameter gets no gradient on some worker in the first step)",
+        help="torch DDP's flag of that name; left off, it is turned on anyway when a "
+        "parameter gets no gradient on some worker in the first step",
     )
     bucket_cap_mb: float = option(
-        25.0, help="DDP's gradient bucket size in MB (its first bucket is 1 MB)", above=0
+        25.0,
+        help="DDP's gradient bucket size in MB (its first bucket is 1 MB)",
+        metavar="MB",
+        above=0,
     )
 
 

@@ -437,3 +437,25 @@ def test_a_sigterm_while_the_parser_is_built_is_one_line(
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     assert capsys.readouterr().err == "gradsync: stopped by SIGTERM before anything started\n"
+
+
+def test_every_flag_of_every_command_says_what_it_does() -> None:
+    """`--strategy`, `--steps`, `--seed`, `--log-every`… had no help text, and DDP's
+    `--bucket-cap-mb` showed the metavar OPTION_BUCKET_CAP_MB (session 31's probe)."""
+    import argparse
+
+    from gradsync.cli import build_parser
+
+    commands = next(
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    silent = [
+        f"{name} {action.option_strings[-1] if action.option_strings else action.dest}"
+        for name, parser in commands.choices.items()
+        for action in parser._actions
+        if not action.help and not isinstance(action, argparse._HelpAction)
+    ]
+    assert silent == []
+    assert "OPTION_" not in commands.choices["train"].format_help()
