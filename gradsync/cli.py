@@ -526,7 +526,7 @@ def _train_here(args: argparse.Namespace, common: dict[str, object]) -> int:
         print(f"node {config.launch.node_rank}: done; node 0 writes the results in its --out")
         return EXIT_OK
     print(
-        f"{config.strategy} × {config.workers} workers: "
+        f"{config.strategy} × {config.workers} worker{'s' if config.workers != 1 else ''}: "
         f"{summary['throughput']['median']:,.1f} samples/s; results in {config.out}"
     )
     return EXIT_OK

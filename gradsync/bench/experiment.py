@@ -276,7 +276,9 @@ def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment file; every problem is a one-line UserError."""
     path = Path(path)
     # Keys refused below with a message of their own pass read_toml's check of unknown keys.
-    raw = read_toml(path, "bench", set(KEYS), example=EXAMPLE, also={*RENAMED, *FIXED, "model"})
+    raw = read_toml(
+        path, "experiment", set(KEYS), example=EXAMPLE, also={*RENAMED, *FIXED, "model"}
+    )
     where = f"experiment {path}"
     for key in raw:
         if key in RENAMED:

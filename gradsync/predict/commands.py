@@ -549,7 +549,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from gradsync.rundir import claim_run_dir
 
     if not args.profile:
-        raise UserError("predict needs --profile PROFILE.json (or --validate FILE.toml)")
+        raise UserError(
+            "predict needs --profile PROFILE.json (or --experiment FILE.toml, or --validate "
+            "FILE.toml)"
+        )
     profile = Profile.load(args.profile)
     options = _predict_options(args)
     out = Path(args.out or f"runs/predict-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -150,7 +150,7 @@ BAD_FILES = {
     "steps a string": ('models = ["mnist-cnn"]\nsteps = "3"\n', 'steps = "3" is not a whole'),
     "seed negative": ('models = ["mnist-cnn"]\nseed = -1\n', "seed = -1 is not a whole number"),
     "verify a string": ('models = ["mnist-cnn"]\nverify = "yes"\n', "is not true or false"),
-    "a folder": (None, "bench bad.toml is a folder"),
+    "a folder": (None, "experiment bad.toml is a folder"),
     "a value twice": ('models = ["mnist-cnn"]\nworkers = [2, 2]\n', "workers lists 2 twice"),
     "a swept value twice": (  # probe 30b: 4 and 4.0 ran as two cells in one folder
         'models = ["mnist-cnn"]\nstrategies = ["allreduce"]\n'
