@@ -401,6 +401,28 @@ def _mean(values: Any) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
+def steps_counted(steps: Iterable[int], warmup: int) -> str:
+    """Which of the recorded ``steps`` a breakdown averages, in words (its table's title),
+    when those before ``warmup`` are left out.
+
+    Example:
+        >>> steps_counted([3, 4, 5, 6], warmup=5)
+        'steps 5–6; the 2 recorded warm-up steps before are left out, as throughput leaves them out'
+        >>> steps_counted([10, 11, 12], warmup=5)
+        'every recorded step (10–12)'
+    """
+    recorded = sorted(set(steps))
+    if not recorded:
+        return "every recorded step"
+    left_out = [step for step in recorded if step < warmup]
+    if not left_out:
+        return f"every recorded step ({recorded[0]}–{recorded[-1]})"
+    return (
+        f"steps {warmup}–{recorded[-1]}; the {len(left_out)} recorded warm-up steps before "
+        "are left out, as throughput leaves them out"
+    )
+
+
 def print_summary(summary: TraceSummary) -> None:
     """Tables: per-rank breakdown, top tensors, slowest steps."""
     rows = [
@@ -418,14 +440,10 @@ def print_summary(summary: TraceSummary) -> None:
         ]
         for r in summary.ranks
     ]
-    counted = (
-        f"steps from {summary.warmup_steps} on; the {summary.warmup_steps} warm-up steps "
-        "before are left out, as throughput leaves them out"
-        if summary.warmup_steps
-        else "every recorded step"
-    )
     print_table(
-        f"{summary.strategy}: mean step breakdown (ms) over {counted} — {summary.path}",
+        f"{summary.strategy}: mean step breakdown (ms) over "
+        f"{steps_counted((s.step for s in summary.steps), summary.warmup_steps)} — "
+        f"{summary.path}",
         [
             "rank",
             "role",
