@@ -43,6 +43,8 @@ STDERR_TAIL_LINES = 15
 TERMINATE_GRACE_S = 5.0
 USER_ERROR_PREFIX = "gradsync: error: "
 STOPPED_PREFIX = "gradsync: stopped: "  # a rank's one-line reason to end the run (exit 1)
+# A rank whose peer stopped first: the peer's own line says why (kept in failure.txt).
+VICTIM_PREFIX = "gradsync: stopped after a peer: "
 OVERSUBSCRIBED = 4  # local ranks per core above which the launcher warns
 HANG_STEP_FACTOR = 5  # a rank may be silent for this many of its slowest steps
 FIRST_STEP_FACTOR = 5  # … and this many hang timeouts before its first step is done
@@ -351,8 +353,9 @@ def _start_reader(process: RankProcess, *, echo: bool) -> RankProcess:
         for raw in process.popen.stderr:
             line = raw.decode(errors="replace").rstrip("\n")
             process.tail.append(line)
-            # A rank's user error is reported once, by the launcher's caller.
-            if echo and not line.startswith((USER_ERROR_PREFIX, STOPPED_PREFIX)):
+            # A rank's user error is reported once, by the launcher's caller; a victim's
+            # line is noise beside its cause's.
+            if echo and not line.startswith((USER_ERROR_PREFIX, STOPPED_PREFIX, VICTIM_PREFIX)):
                 print(f"[rank {process.rank}] {line}", file=sys.stderr, flush=True)
 
     process.reader = threading.Thread(target=pump, daemon=True)

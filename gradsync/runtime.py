@@ -29,7 +29,7 @@ from gradsync.errors import UserError
 from gradsync.evaluate import validation_accuracy
 from gradsync.files import atomic_write_text
 from gradsync.heartbeat import beat, beating
-from gradsync.launch import STOPPED_PREFIX, is_lost_connection
+from gradsync.launch import STOPPED_PREFIX, VICTIM_PREFIX, is_lost_connection
 from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import workload_of
 from gradsync.models.base import Workload
@@ -416,7 +416,7 @@ def main(argv: list[str]) -> int:
         if isinstance(error, TransportError | RuntimeError) and is_lost_connection(str(error)):
             # A peer stopped first and says why itself: this rank's part is one line (the
             # server transport's error, or Gloo's in a collective).
-            print(f"gradsync: stopped after a peer: {error}", file=sys.stderr, flush=True)
+            print(f"{VICTIM_PREFIX}{error}", file=sys.stderr, flush=True)
             return 1
         traceback.print_exc()
         sys.stderr.flush()

@@ -694,3 +694,21 @@ def test_the_oversubscription_warning_does_not_round_below_its_limit(
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
     launch._warn_if_oversubscribed(9)
     assert "9 ranks on 2 core(s) is 4.5 ranks per core (more than 4)" in capsys.readouterr().err
+
+
+def test_a_victim_ranks_line_is_kept_but_not_echoed(capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank stopped by its peer's exit printed Gloo's "Connection closed by peer … GLHF!"
+    before the cause's one line (session 31's probe); it stays in the rank's tail."""
+    from gradsync.launch import VICTIM_PREFIX, RankProcess, _start_reader
+
+    lines = [b"[some log line]\n", f"{VICTIM_PREFIX}Connection closed by peer\n".encode()]
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.stderr.buffer.write({b''.join(lines)!r})"],
+        stderr=subprocess.PIPE,
+    )
+    process = _start_reader(RankProcess(rank=1, popen=child), echo=True)
+    child.wait()
+    assert process.reader is not None
+    process.reader.join(timeout=30)
+    assert capsys.readouterr().err == "[rank 1] [some log line]\n"
+    assert list(process.tail)[-1] == f"{VICTIM_PREFIX}Connection closed by peer"
