@@ -129,6 +129,7 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]
     """
     meta = {**meta, "versions": versions()}
     text = json.dumps(meta, indent=2, sort_keys=True)
+    tensors = with_own_storage(tensors)
 
     def write_tensors(tmp: Path) -> None:
         save_file(tensors, str(tmp), metadata={"gradsync": text})
@@ -136,6 +137,26 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]
     with signals_deferred():  # a SIGTERM lands after both files, so they always agree
         atomic_write_bytes(path, write_tensors)
         atomic_write_text(sidecar_path(path), text + "\n")
+
+
+def with_own_storage(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors``, each on a storage of its own: a copy of any that shares memory with an
+    earlier one (a buffer that aliases a parameter, two parameters over one storage), which
+    safetensors refuses to write.
+
+    Example:
+        >>> w = torch.ones(4)
+        >>> own = with_own_storage({"param/w": w, "buffer/alias": w[:2]})
+        >>> own["param/w"] is w, own["buffer/alias"].untyped_storage().data_ptr() == w.data_ptr()
+        (True, False)
+    """
+    seen: set[int] = set()
+    own = {}
+    for name, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        own[name] = tensor.clone() if storage in seen and tensor.numel() else tensor
+        seen.add(storage)
+    return own
 
 
 def sidecar_path(path: Path) -> Path:

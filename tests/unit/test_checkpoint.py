@@ -411,3 +411,19 @@ def test_optimizer_state_is_restored_beside_its_parameter() -> None:
     for state in states:
         assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
         assert state["step"].device.type == "cpu"
+
+
+def test_tensors_that_share_memory_are_written(tmp_path: Path) -> None:
+    """A buffer aliasing a parameter, and two parameters over overlapping windows of one
+    storage: safetensors refused them after every step had run (session 31's probe)."""
+
+    model = nn.Linear(3, 2)
+    model.register_buffer("weight_ref", model.weight.data)
+    storage = torch.arange(6.0)
+    model.register_parameter("low", nn.Parameter(storage[:4]))
+    model.register_parameter("high", nn.Parameter(storage[2:]))
+    path = tmp_path / "checkpoint.safetensors"
+    save_checkpoint(path, model_state(model, None), {"step": 1})
+    tensors = load_checkpoint(path).tensors
+    assert torch.equal(tensors["buffer/weight_ref"], model.weight.detach())
+    assert torch.equal(tensors["param/high"], torch.arange(2.0, 6.0))
