@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from gradsync.errors import UserError
 from gradsync.models import (
     inception_v3,
@@ -168,6 +170,24 @@ def shared_workloads() -> Iterator[None]:
         _shared = outer
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` inside the block, as a rank of a run with
+    ``--dtype`` has it while it builds the model.
+
+    Example:
+        >>> with default_dtype(torch.float64):
+        ...     torch.zeros(1).dtype
+        torch.float64
+    """
+    outer = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(outer)
+
+
 def workload_of(config: TrainConfig, *, dropout: bool = False) -> Workload:
     """The workload a run's config names (model, preset, seed, data, options); dropout off
     unless asked, as the launcher's checks want it. Inside :func:`shared_workloads`, one
@@ -179,17 +199,19 @@ def workload_of(config: TrainConfig, *, dropout: bool = False) -> Workload:
         8
     """
     options = config.model_options
-    key = (config.model, config.preset, config.seed, config.data, dropout, *sorted(options.items()))
+    key = (config.model, config.preset, config.seed, config.data, dropout, config.dtype)
+    key += tuple(sorted(options.items()))
     if _shared is not None and key in _shared:
         return _shared[key]
-    workload = build_workload(
-        config.model,
-        preset=config.preset,
-        seed=config.seed,
-        data=config.data,
-        dropout=dropout,
-        options=options,
-    )
+    with default_dtype(getattr(torch, config.dtype)):  # as the ranks build it
+        workload = build_workload(
+            config.model,
+            preset=config.preset,
+            seed=config.seed,
+            data=config.data,
+            dropout=dropout,
+            options=options,
+        )
     if _shared is not None:
         _shared[key] = workload
     return workload

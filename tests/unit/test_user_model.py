@@ -716,3 +716,50 @@ def test_ddp_refuses_a_sparse_gradient_some_worker_lacks(tmp_path: Path) -> None
     config = TrainConfig(model=f"{path}:build", strategy="ddp", workers=2, global_batch=8)
     with pytest.raises(UserError, match=r"rare\.weight get none on some worker in step 0"):
         NativeDDP.check_config(config)
+
+
+MIXED_DTYPE_MODEL = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Model(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.inp = nn.Linear(3, 2)
+        self.other = nn.Parameter(torch.zeros(2, dtype=dtype))
+
+    def forward(self, x):
+        return self.inp(x) + self.other.to(x.dtype)
+
+
+def build(seed: int = 0, dt: str = "float32"):
+    data = TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+    return Model(getattr(torch, dt)), data, nn.functional.cross_entropy
+"""
+
+
+@pytest.mark.parametrize(
+    ("dtype", "option", "refused"),
+    [("float64", "float32", True), ("float64", "float64", False), ("float32", "float32", False)],
+)
+def test_servers_check_the_dtypes_the_run_builds(
+    tmp_path: Path, dtype: str, option: str, refused: bool
+) -> None:
+    """The pre-launch model was built in float32 whatever --dtype said: a float32 parameter
+    beside float64 ones passed (ps then rounded it), and an all-float64 model was refused
+    (session 31's probe)."""
+    from gradsync.config import TrainConfig
+    from gradsync.errors import UserError
+    from gradsync.strategies.ps import ParameterServer
+
+    path = _write(tmp_path, "mixed.py", MIXED_DTYPE_MODEL)
+    config = TrainConfig(
+        model=f"{path}:build", strategy="ps", workers=2, dtype=dtype, model_options={"dt": option}
+    )
+    if refused:
+        with pytest.raises(UserError, match="parameter other is float32 while other"):
+            ParameterServer.check_config(config)
+    else:
+        ParameterServer.check_config(config)
