@@ -35,8 +35,9 @@ LOG_FILE = "stdout.log"
 def validate(config: TrainConfig, *, one_rank: bool = False, local: bool = True) -> None:
     """Every check that can fail before any process starts (UserError on failure).
 
-    A user model is built once here and run on two samples, so a wrong return type, a loss
-    that is not a scalar or a model without parameters is one line before launch.
+    A user model is built once here and run on one worker's shard of step 0, so a wrong
+    return type, a loss that is not a scalar or a model without parameters is one line
+    before launch.
     ``one_rank``: this process is one rank of torchrun's, Slurm's or mpirun's job, which
     cannot count its node's ranks (the rendezvous checks their GPUs). ``local`` False: the
     job's ranks start elsewhere (srun), so this machine's cores do not bound them.
@@ -63,10 +64,6 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
     # share are refused before the run folder is claimed, not by the ranks after launch.
     workload = workload_of(config)
     _check_parameters_and_layers(config, workload.model)  # before the trial forward below
-    if is_user_model(config.model):
-        step = check_user_step(config.model, workload)
-        _check_edits_last(config, step.edited)
-        _check_lookups_only(config, step.tables_read_elsewhere)
     if not one_rank and config.global_batch is None and workload.global_batch % config.workers:
         batch, workers = workload.global_batch, config.workers
         raise UserError(
@@ -74,6 +71,11 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
             f"--workers {workers}; pass --global-batch {workers * max(1, batch // workers)} "
             f"(a multiple of {workers}) or choose --workers that divides {batch}"
         )
+    if is_user_model(config.model):  # on one worker's shard, as a rank runs it
+        shard = (config.global_batch or workload.global_batch) // config.workers
+        step = check_user_step(config.model, workload, samples=shard)
+        _check_edits_last(config, step.edited)
+        _check_lookups_only(config, step.tables_read_elsewhere)
 
 
 def _check_made(config: TrainConfig, model: torch.nn.Module) -> None:

@@ -275,38 +275,45 @@ class UserStep:
     tables_read_elsewhere: set[str]
 
 
-def _failed_step(name: str, error: Exception) -> str:
+def _failed_step(name: str, error: Exception, samples: int) -> str:
     """One line for a forward or loss that raised on the launcher's check: what the check
-    does, the error (cut short), how to fix it.
+    does, the error (cut short), how to fix it; a dtype error says how to fix that.
 
     Example:
-        >>> _failed_step("m.py:build", RuntimeError("mat1 and mat2 must have the same dtype"))[:76]
-        'user model m.py:build failed the check before launch (forward and loss on 2 '
+        >>> _failed_step("m.py:build", RuntimeError("mat1 and mat2 must have the same dtype"), 4)
+        'user model m.py:build failed the check before launch (forward and loss on the 4 ...
     """
     text = " ".join(str(error).split())[:200]
-    return (
-        f"user model {name} failed the check before launch (forward and loss on 2 samples "
-        f"of its dataset): {type(error).__name__}: {text}; make model(inputs) and "
-        "loss(output, targets) run on its samples, parameters in the default dtype "
-        "(float32, or --dtype's): no .half(), .double() or .to(dtype) in the builder"
+    line = (
+        f"user model {name} failed the check before launch (forward and loss on the {samples} "
+        f"samples a worker takes in step 0): {type(error).__name__}: {text}; make "
+        "model(inputs) and loss(output, targets) run on its samples"
     )
+    if "dtype" in text or "Double" in text or "Half" in text:
+        line += (
+            ", parameters in the default dtype (float32, or --dtype's): no .half(), .double() "
+            "or .to(dtype) in the builder"
+        )
+    return line
 
 
-def check_user_step(name: str, workload: Workload) -> UserStep:
-    """Run one forward pass and loss on two samples; UserError unless the loss is a scalar
-    tensor that has a gradient. Runs in the launcher, before any rank starts. Returns the
-    trainable parameters the forward or the loss changed in place (their version moved),
-    and the lookup tables they read other than by a lookup of their module's input.
+def check_user_step(name: str, workload: Workload, *, samples: int = 2) -> UserStep:
+    """Run one forward pass and loss on the first ``samples`` of step 0 (a worker's shard);
+    UserError unless the loss is a scalar tensor that has a gradient. Runs in the launcher,
+    before any rank starts. Returns the trainable parameters the forward or the loss changed
+    in place (their version moved), and the lookup tables they read other than by a lookup
+    of their module's input.
 
     Example:
-        >>> # check_user_step("my_model.py:build", build_user_workload(name, request))
+        >>> # check_user_step("my_model.py:build", build_user_workload(name, request), samples=16)
     """
+    samples = max(1, samples)
     try:
-        batch = workload.dataset.batch(step=0, size=2, start=0, stop=2)
+        batch = workload.dataset.batch(step=0, size=samples, start=0, stop=samples)
     except UserError:
         raise
     except Exception as error:  # the user's __getitem__, or items that do not stack
-        message = f"user model {name}'s dataset failed to give a batch of 2 samples"
+        message = f"user model {name}'s dataset failed to give a batch of {samples} samples"
         raise UserError(f"{message}: {_describe(error)}"[:400]) from None
     params = [(n, p) for n, p in workload.model.named_parameters() if p.requires_grad]
     versions = [p._version for _, p in params]
@@ -317,7 +324,7 @@ def check_user_step(name: str, workload: Workload) -> UserStep:
             output = workload.model(*batch.inputs, **batch.shared)
             loss = workload.loss(output, batch.targets)
     except Exception as error:
-        raise UserError(_failed_step(name, error)) from None
+        raise UserError(_failed_step(name, error, samples)) from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise UserError(

@@ -243,7 +243,7 @@ def test_a_user_model_that_fails_the_check_is_told_what_the_check_does(tmp_path:
     with pytest.raises(UserError) as refusal:
         check_user_step(name, build_user_workload(name, BuildRequest()))
     message = str(refusal.value)
-    assert "failed the check before launch (forward and loss on 2 samples" in message
+    assert "failed the check before launch (forward and loss on the 2 samples" in message
     assert "RuntimeError: mat1 and mat2 must have the same dtype" in message
     assert "parameters in the default dtype" in message and "\n" not in message
 

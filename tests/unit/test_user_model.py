@@ -763,3 +763,40 @@ def test_servers_check_the_dtypes_the_run_builds(
             ParameterServer.check_config(config)
     else:
         ParameterServer.check_config(config)
+
+
+GROUPED_MODEL = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Grouped(nn.Module):
+    '''Samples in groups of 4 (a set of 4 instances): a batch is a multiple of 4.'''
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return h + h.view(-1, 4, 2).mean(1, keepdim=True).expand(-1, 4, -1).reshape(-1, 2)
+
+
+def build(seed: int = 0):
+    data = TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
+    return Grouped(), data, nn.functional.cross_entropy
+"""
+
+
+def test_the_check_before_launch_runs_a_workers_shard(tmp_path: Path) -> None:
+    """It ran exactly 2 samples, so a model that needs a batch of 4k was refused whatever
+    --global-batch said (session 31's probe); an odd shard is still refused."""
+    from gradsync.config import TrainConfig
+    from gradsync.jobs import validate
+
+    name = f"{_write(tmp_path, 'grouped.py', GROUPED_MODEL)}:build"
+    validate(TrainConfig(model=name, strategy="single", global_batch=16, out=str(tmp_path / "a")))
+    validate(TrainConfig(model=name, strategy="allreduce", workers=2, global_batch=16))
+    with pytest.raises(UserError, match="forward and loss on the 6 samples a worker takes"):
+        validate(TrainConfig(model=name, strategy="allreduce", workers=2, global_batch=12))
