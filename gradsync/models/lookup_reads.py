@@ -26,6 +26,27 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 _LOOKUPS = {torch.nn.functional.embedding, torch.nn.functional.embedding_bag, torch.embedding}
+# What a tensor says of itself, never its values (``torch.arange(n, device=w.device)``).
+_METADATA_PROPERTIES = frozenset(
+    {"dtype", "shape", "device", "layout", "ndim", "requires_grad", "is_sparse", "is_cuda",
+     "is_leaf", "is_meta", "is_quantized", "itemsize", "nbytes", "names"}
+)  # fmt: skip
+_METADATA_METHODS = frozenset(
+    {"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size",
+     "is_contiguous", "is_floating_point", "is_complex", "get_device"}
+)  # fmt: skip
+
+
+def reads_metadata_only(func: Any) -> bool:
+    """Whether ``func`` (as a TorchFunctionMode sees it) reads a tensor's metadata only.
+
+    Example:
+        >>> reads_metadata_only(torch.Tensor.size), reads_metadata_only(torch.Tensor.detach)
+        (True, False)
+    """
+    if getattr(func, "__name__", None) == "__get__":  # a property: .dtype, but not .data
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA_PROPERTIES
+    return getattr(func, "__name__", None) in _METADATA_METHODS and "Tensor" in repr(func)
 
 
 class LookupReads(TorchFunctionMode):
@@ -59,6 +80,8 @@ class LookupReads(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if reads_metadata_only(func):
+            return func(*args, **kwargs)
         for leaf in tree_leaves((args, kwargs)):
             name = self.name_of.get(id(leaf)) if isinstance(leaf, Tensor) else None
             if name is not None and not self._own_lookup(func, leaf, args, kwargs):

@@ -800,3 +800,25 @@ def test_the_check_before_launch_runs_a_workers_shard(tmp_path: Path) -> None:
     validate(TrainConfig(model=name, strategy="allreduce", workers=2, global_batch=16))
     with pytest.raises(UserError, match="forward and loss on the 6 samples a worker takes"):
         validate(TrainConfig(model=name, strategy="allreduce", workers=2, global_batch=12))
+
+
+@pytest.mark.parametrize(
+    ("read", "elsewhere"),
+    [
+        (lambda w, ids: torch.arange(ids.shape[0], device=w.device).to(w.dtype), False),
+        (lambda w, ids: torch.zeros(w.shape[1], w.size(1) * w.dim()), False),
+        (lambda w, ids: w.data[ids], True),  # .data is the values under another name
+        (lambda w, ids: w.T[:, ids], True),
+        (lambda w, ids: w.detach().mean(0), True),
+    ],
+)
+def test_reading_a_tables_metadata_is_not_reading_its_rows(read, elsewhere) -> None:
+    """`torch.arange(n, device=table.weight.device)` made hybrid refuse the model as one that
+    reads the table other than by its lookups (session 31's probe)."""
+    from gradsync.models.lookup_reads import LookupReads
+
+    table = nn.Embedding(5, 2, sparse=True)
+    ids = torch.tensor([1, 3])
+    with LookupReads({"a": table}) as reads:
+        _ = table(ids).sum() + read(table.weight, ids).sum()
+    assert reads.elsewhere == ({"a"} if elsewhere else set())
