@@ -400,15 +400,16 @@ def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[
     if config.strategy == REFERENCE:
         return "reference", "the whole global batch in one process"
     strategy = strategy_class(config.strategy)
-    expected = strategy().expected_difference(config) or batchnorm_difference(config)
     if not strategy.is_synchronous(config):
         # Not held to the tolerance: asynchronous training is a different computation.
+        expected = expected_difference(config)
         return (
             "differs: asynchronous updates",
             f"{expected or 'asynchronous updates'}; distance to single {max_abs:.2e}",
         )
     if max_abs <= tolerance:
         return "match", "reduction order only"
+    expected = expected_difference(config)
     if expected is not None or not strategy.synchronous:
         return "differs (expected)", expected or "asynchronous updates"
     return "FAIL", "a synchronous strategy must match single"
@@ -430,6 +431,40 @@ def which_tensors_fail(diffs: list[TensorDiff], tolerance: float) -> str:
         kept = "each worker keeps its own; worker 0's are saved"
         return f"parameters match; buffers differ ({kept}): {names}"
     return f"a synchronous strategy must match single; beyond: {names}"
+
+
+def expected_difference(config: TrainConfig) -> str | None:
+    """Why a cell is expected to differ from single: its strategy's reason, per-worker
+    BatchNorm, or a lookup table that scales its gradient by each shard's row counts.
+
+    Example:
+        >>> expected_difference(TrainConfig(strategy="ddp", workers=2, preset="tiny")) is None
+        True
+    """
+    reason = strategy_class(config.strategy)().expected_difference(config)
+    return reason or batchnorm_difference(config) or frequency_scaling_difference(config)
+
+
+def frequency_scaling_difference(config: TrainConfig) -> str | None:
+    """Why a model with ``nn.Embedding(scale_grad_by_freq=True)`` differs from single on
+    several workers: each worker divides its gradient by the row counts of its own shard,
+    as DDP and Horovod do, not of the global batch. None on one worker or without one.
+
+    Example:
+        >>> frequency_scaling_difference(TrainConfig(strategy="ddp", workers=2, preset="tiny"))
+    """
+    if config.workers < 2:
+        return None
+    from gradsync.probe import lookup_tables
+
+    tables = lookup_tables(workload_of(config).model)
+    scaled = [name for name, table in tables.items() if table.scale_grad_by_freq]
+    if not scaled:
+        return None
+    return (
+        f"lookup table {scaled[0]} has scale_grad_by_freq: each worker scales by the row "
+        "counts of its own shard, not of the global batch"
+    )
 
 
 def batchnorm_difference(config: TrainConfig) -> str | None:

@@ -822,3 +822,30 @@ def test_reading_a_tables_metadata_is_not_reading_its_rows(read, elsewhere) -> N
     with LookupReads({"a": table}) as reads:
         _ = table(ids).sum() + read(table.weight, ids).sum()
     assert reads.elsewhere == ({"a"} if elsewhere else set())
+
+
+FREQUENCY_SCALED_MODEL = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def build(seed: int = 0):
+    model = nn.Sequential(nn.Embedding(9, 2, scale_grad_by_freq=True), nn.Flatten())
+    data = TensorDataset(torch.randint(0, 9, (8, 1)), torch.randint(0, 2, (8,)))
+    return model, data, nn.functional.cross_entropy
+"""
+
+
+def test_a_table_scaled_by_row_counts_is_an_expected_difference(tmp_path: Path) -> None:
+    """Every strategy FAILed with the diagnosis "the model or its loss" (session 31's probe):
+    each worker scales by its own shard's counts, as DDP does."""
+    from gradsync.config import TrainConfig
+    from gradsync.verify import verdict_for
+
+    name = f"{_write(tmp_path, 'freq.py', FREQUENCY_SCALED_MODEL)}:build"
+    config = TrainConfig(model=name, strategy="allreduce", workers=2)
+    verdict, reason = verdict_for(config, 5e-4, 1e-9)
+    assert verdict == "differs (expected)"
+    assert reason.startswith("lookup table 0.weight has scale_grad_by_freq")
+    assert verdict_for(config.replace(workers=1), 5e-4, 1e-9)[0] == "FAIL"
