@@ -231,11 +231,16 @@ def diagnosis(outcomes: Sequence[Outcome]) -> str | None:
         True
         >>> diagnosis([row("ddp", 1.0e-3), row("ps", 1.0)]) is None
         True
+        >>> buffers = lambda s: Outcome(s, 2, 1e-3, 0.0, 1e-9, "FAIL", BUFFERS_ONLY, {}, 0, 0, "")
+        >>> diagnosis([buffers("ddp"), buffers("ps")]) is None  # no model or loss to blame
+        True
     """
     compared = [o for o in outcomes if o.verdict in ("match", "FAIL")]
     failing = [o.max_abs for o in compared if o.verdict == "FAIL"]
     strategies = {o.strategy.split(":")[0] for o in compared}
     if not failing or len(failing) < len(compared) or len(strategies) < 2:
+        return None
+    if all(o.reason.startswith(BUFFERS_ONLY) for o in compared):  # each row says so
         return None
     if max(failing) > 3 * min(failing):
         return None
@@ -415,6 +420,9 @@ def verdict_for(config: TrainConfig, max_abs: float, tolerance: float) -> tuple[
     return "FAIL", "a synchronous strategy must match single"
 
 
+BUFFERS_ONLY = "parameters match; buffers differ"
+
+
 def which_tensors_fail(diffs: list[TensorDiff], tolerance: float) -> str:
     """A failing cell's reason, naming the tensors beyond ``tolerance`` (worst first); when
     only buffers differ, says so: parameters that match beside buffers that do not are
@@ -429,7 +437,7 @@ def which_tensors_fail(diffs: list[TensorDiff], tolerance: float) -> str:
     names = ", ".join(d.name for d in beyond[:3]) + (", …" if len(beyond) > 3 else "")
     if all(d.name.startswith("buffer/") for d in beyond):
         kept = "each worker keeps its own; worker 0's are saved"
-        return f"parameters match; buffers differ ({kept}): {names}"
+        return f"{BUFFERS_ONLY} ({kept}): {names}"
     return f"a synchronous strategy must match single; beyond: {names}"
 
 
