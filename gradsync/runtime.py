@@ -34,7 +34,12 @@ from gradsync.metrics import MetricsWriter, StepRecord, environment, summarize
 from gradsync.models import workload_of
 from gradsync.models.base import Workload
 from gradsync.optim import Updater, effective_lr
-from gradsync.probe import missing_on_any_worker, params_without_gradient
+from gradsync.probe import (
+    ProbeUnavailable,
+    UnknownGradients,
+    missing_on_any_worker,
+    params_without_gradient,
+)
 from gradsync.progress import StepProgress
 from gradsync.rendezvous import RankInfo, finish_process, join_process_group
 from gradsync.resume import checkpoint_step, restore, rng_tensors, run_settings
@@ -145,14 +150,18 @@ def _prepare_worker(
     timeline: Timeline,
     threads: int,
 ) -> _WorkerRun:
-    """Build the model (same initial parameters on every rank), probe it, set BatchNorm's
-    mode, and make the strategy's context."""
+    """Build the model (same initial parameters on every rank), set BatchNorm's mode, probe
+    it, and make the strategy's context."""
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     workload = workload_of(config, dropout=not config.deterministic)
     global_batch = config.global_batch or workload.global_batch
     workload.model.to(device)
-    missing = _probe_gradients(strategy, workload, global_batch, env.rank, worker_group, device)
+    # BatchNorm's mode before the probe: the probe then runs step 0 as training runs it
+    # (global statistics, which a shard of one sample and a CPU SyncBatchNorm need).
     _set_batchnorm_mode(config, workload.model, worker_group, env.rank)
+    missing = _probe_gradients(
+        config, strategy, workload, global_batch, env.rank, worker_group, device
+    )
     if env.rank == 0 and (per_epoch := _iterations_per_epoch(workload, global_batch)):
         print(
             f"[rank 0] data: {workload.num_train_samples:,} training samples, so an epoch is "
@@ -286,6 +295,7 @@ def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: Timeline) -> N
 
 
 def _probe_gradients(
+    config: TrainConfig,
     strategy: Strategy,
     workload: Workload,
     global_batch: int,
@@ -293,16 +303,38 @@ def _probe_gradients(
     worker_group: Any,
     device: torch.device,
 ) -> frozenset[str] | None:
-    """For strategies that ask: parameters without a gradient on some worker in step 0
-    (before BatchNorm conversion, so the probe runs no collective but the agreement)."""
-    if not strategy.probes_gradients:
+    """For strategies that ask: parameters without a gradient on some worker in step 0.
+
+    Collective over the workers: besides the agreement, the probe runs cross-rank
+    BatchNorm's collectives where the model has it (so every worker probes, or none). None
+    when the strategy does not ask, or its ``find_unused_parameters`` option is on already
+    (``ddp``'s: it has nothing to decide). Where some worker's probe could not run, every
+    trainable parameter, as :class:`UnknownGradients` saying why.
+    """
+    if not strategy.probes_gradients or getattr(
+        config.strategy_options, "find_unused_parameters", False
+    ):
         return None
     num_workers = dist.get_world_size(worker_group) if dist.is_initialized() else 1
     start, stop = shard_bounds(global_batch, num_workers, worker)
-    here = params_without_gradient(
-        workload, workload.model, global_batch=global_batch, start=start, stop=stop, device=device
-    )
-    return frozenset(missing_on_any_worker(workload.model, here, worker_group))
+    reason = "it could not run on another worker"
+    here: set[str] | None
+    try:
+        here = params_without_gradient(
+            workload,
+            workload.model,
+            global_batch=global_batch,
+            start=start,
+            stop=stop,
+            device=device,
+        )
+    except ProbeUnavailable as error:
+        here, reason = None, str(error)
+    agreed = missing_on_any_worker(workload.model, here, worker_group)
+    if agreed is None:
+        trainable = (n for n, p in workload.model.named_parameters() if p.requires_grad)
+        return UnknownGradients(trainable, reason=reason)
+    return frozenset(agreed)
 
 
 def _iterations_per_epoch(workload: Workload, global_batch: int) -> int | None:

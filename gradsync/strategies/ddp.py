@@ -17,7 +17,13 @@ from gradsync.config import TrainConfig
 from gradsync.data.base import shard_bounds
 from gradsync.errors import UserError
 from gradsync.options import StrategyOptions, option
-from gradsync.probe import params_without_gradient, sparse_lookup_weights, tied_names
+from gradsync.probe import (
+    ProbeUnavailable,
+    UnknownGradients,
+    params_without_gradient,
+    sparse_lookup_weights,
+    tied_names,
+)
 from gradsync.strategies.base import Context, Strategy
 
 
@@ -42,7 +48,8 @@ class NativeDDP(Strategy):
     """DDP with its default buckets (25 MB) and comm hook; nothing replaced.
 
     ``find_unused_parameters`` is turned on when the step-0 probe finds a parameter without a
-    gradient on some worker (or with ``--find-unused-parameters``); DDP then leaves a
+    gradient on some worker, when the probe cannot run (a model that cannot be deep-copied),
+    or with ``--find-unused-parameters`` (the probe is then skipped); DDP then leaves a
     parameter unused on every worker with ``grad = None`` and averages one used on some
     workers with zeros from the others, as ``single`` computes it.
 
@@ -82,23 +89,29 @@ class NativeDDP(Strategy):
         missing: set[str] = set()
         for worker in range(config.workers):
             start, stop = shard_bounds(global_batch, config.workers, worker)
-            missing |= params_without_gradient(
-                workload,
-                workload.model,
-                global_batch=global_batch,
-                start=start,
-                stop=stop,
-                device=torch.device("cpu"),
-            )
+            try:
+                missing |= params_without_gradient(
+                    workload,
+                    workload.model,
+                    global_batch=global_batch,
+                    start=start,
+                    stop=stop,
+                    device=torch.device("cpu"),
+                )
+            except ProbeUnavailable:
+                # Not knowable here (no copy of the model, or BatchNorm as the ranks do not
+                # run it): the ranks probe again, and setup refuses such a table then.
+                return
         if stranded := sorted(missing & sparse):
-            raise UserError(
-                f"ddp: torch's DDP cannot reduce a sparse gradient that some worker does not "
-                f"have, and {', '.join(stranded)} get none on some worker in step 0; use "
-                "--strategy allreduce or hybrid, or build the embedding with sparse=False"
-            )
+            raise _stranded_sparse(stranded)
 
     def setup(self, model: nn.Module, context: Context) -> nn.Module:
         self.context, self.model = context, model
+        missing = context.missing_gradients
+        # check_config's refusal again, for a model it could not probe before launch
+        stranded = sorted(sparse_lookup_weights(model) & (missing or set()))
+        if context.num_workers > 1 and stranded and not isinstance(missing, UnknownGradients):
+            raise _stranded_sparse(stranded)
         device_ids = [context.device.index] if context.device.type == "cuda" else None
         find_unused = self._find_unused(context)
         wrapped = DistributedDataParallel(
@@ -127,6 +140,14 @@ class NativeDDP(Strategy):
     @staticmethod
     def _find_unused(context: Context) -> bool:
         if context.config.strategy_options.find_unused_parameters:
+            return True  # the runtime skipped the probe
+        if isinstance(context.missing_gradients, UnknownGradients):
+            if context.rank == 0:
+                print(
+                    "[rank 0] ddp: find_unused_parameters=True (the step-0 probe could not run: "
+                    f"{context.missing_gradients.reason}; --find-unused-parameters skips it)",
+                    flush=True,
+                )
             return True
         missing = sorted(context.missing_gradients or ())
         if missing and context.rank == 0:
@@ -168,6 +189,14 @@ class NativeDDP(Strategy):
                 self.counters.bytes_sent += (workers - 1) * self._buffer_bytes
             else:
                 self.counters.bytes_recv += self._buffer_bytes
+
+
+def _stranded_sparse(names: list[str]) -> UserError:
+    return UserError(
+        f"ddp: torch's DDP cannot reduce a sparse gradient that some worker does not have, "
+        f"and {', '.join(names)} get none on some worker in step 0; use --strategy allreduce "
+        "or hybrid, or build the embedding with sparse=False"
+    )
 
 
 class _Bucket:
