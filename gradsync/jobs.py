@@ -72,7 +72,9 @@ def _validate(config: TrainConfig, *, one_rank: bool, local: bool) -> None:
             f"(a multiple of {workers}) or choose --workers that divides {batch}"
         )
     if is_user_model(config.model):  # on one worker's shard, as a rank runs it
-        shard = (config.global_batch or workload.global_batch) // config.workers
+        # At least 2 samples: a BatchNorm layer here normalizes the shard alone, while in
+        # training global BatchNorm sees the whole batch (1 sample a worker is fine there).
+        shard = max(2, (config.global_batch or workload.global_batch) // config.workers)
         step = check_user_step(config.model, workload, samples=shard)
         _check_edits_last(config, step.edited)
         _check_lookups_only(config, step.tables_read_elsewhere)

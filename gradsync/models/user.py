@@ -280,8 +280,9 @@ def _failed_step(name: str, error: Exception, samples: int) -> str:
     does, the error (cut short), how to fix it; a dtype error says how to fix that.
 
     Example:
-        >>> _failed_step("m.py:build", RuntimeError("mat1 and mat2 must have the same dtype"), 4)
-        'user model m.py:build failed the check before launch (forward and loss on the 4 ...
+        >>> error = RuntimeError("mat1 and mat2 must have the same dtype")
+        >>> print(_failed_step("m.py:build", error, 4))  # doctest: +ELLIPSIS
+        user model m.py:build failed the check before launch (forward and loss on the 4 ...
     """
     text = " ".join(str(error).split())[:200]
     line = (

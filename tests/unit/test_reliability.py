@@ -513,7 +513,7 @@ def exits():
     ("function", "message"),
     [
         ("wrong_types", "with an nn.Module and a callable loss, got (str, TensorDataset, int)"),
-        ("vector_loss", "loss returned (2,), not a scalar tensor"),
+        ("vector_loss", "loss returned (32,), not a scalar tensor"),
         ("no_params", "has no trainable parameters"),
         ("exits", "called sys.exit(3) instead of returning"),
     ],
