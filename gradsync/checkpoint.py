@@ -32,6 +32,7 @@ from gradsync.signals import signals_deferred
 
 PARAM, BUFFER, OPTIM = "param/", "buffer/", "optim/"
 RNG, LAZY = "rng/", "lazy/"  # --resume only: RNG streams, hybrid's rows not caught up yet
+WORKER_BUFFER = "worker-buffer/"  # --resume only: a buffer of worker w ≥ 1 unlike worker 0's
 STATE_PREFIXES = (PARAM, BUFFER, OPTIM)  # the training state; the rest is for --resume only
 
 

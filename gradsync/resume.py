@@ -9,7 +9,10 @@ run needs to go on as if it had never stopped:
 - the learning-rate schedule's position and the data position: both are the number of
   steps done (``step`` in the metadata; a step's batch and rate are functions of its
   index, and server strategies send it with every push);
-- every worker's torch RNG state (``rng/worker<r>``), so dropout draws the same masks.
+- every worker's torch RNG state (``rng/worker<r>``), so dropout draws the same masks;
+- the buffers a worker w ≥ 1 holds unlike worker 0's (``worker-buffer/worker<w>/<name>``:
+  per-worker BatchNorm statistics, an EMA its forward keeps), so each worker goes on
+  from its own.
 
 Each strategy puts the state back where it keeps it (:meth:`~gradsync.strategies.base.
 Strategy.restore_state`): data-parallel strategies into every worker's model and
@@ -21,13 +24,14 @@ bit-identical to one that was never interrupted (tested per strategy in float64)
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import RNG, Checkpoint, load_checkpoint_meta
+from gradsync.checkpoint import RNG, WORKER_BUFFER, Checkpoint, load_checkpoint_meta
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.optim import effective_lr
@@ -202,6 +206,63 @@ def rng_tensors(
     return gathered
 
 
+def worker_buffers(
+    model: torch.nn.Module | None, worker_group: Any, num_workers: int
+) -> dict[str, torch.Tensor]:
+    """The buffers each worker w ≥ 1 holds unlike worker 0's (which ``buffer/`` saves),
+    gathered (a collective over the workers): a fingerprint of every buffer first, then
+    only the buffers whose fingerprints differ.
+
+    Example:
+        >>> worker_buffers(torch.nn.BatchNorm1d(2), None, 1)  # one worker: nothing else
+        {}
+    """
+    if model is None or num_workers == 1 or not dist.is_initialized():
+        return {}
+    buffers = dict(model.named_buffers())
+    if not buffers:
+        return {}
+    prints = torch.tensor([_fingerprint(b) for b in buffers.values()], dtype=torch.int64)
+    every = [torch.empty_like(prints) for _ in range(num_workers)]
+    dist.all_gather(every, prints, group=worker_group)
+    differ = [name for i, name in enumerate(buffers) if any(p[i] != every[0][i] for p in every)]
+    gathered: dict[str, torch.Tensor] = {}
+    for name in differ:  # in one order on every worker: the fingerprints were all_gathered
+        values = [torch.empty_like(buffers[name]) for _ in range(num_workers)]
+        dist.all_gather(values, buffers[name].contiguous(), group=worker_group)
+        gathered.update(
+            {f"{WORKER_BUFFER}worker{w}/{name}": values[w] for w in range(1, num_workers)}
+        )
+    return gathered
+
+
+def _fingerprint(tensor: torch.Tensor) -> int:
+    data = tensor.detach().cpu().contiguous()
+    return zlib.crc32(data.view(torch.uint8).numpy().tobytes()) if data.numel() else 0
+
+
+def restore_worker_buffers(
+    model: torch.nn.Module | None, tensors: dict[str, torch.Tensor], worker: int
+) -> None:
+    """Put back the buffers :func:`worker_buffers` saved for ``worker`` (the others keep
+    worker 0's ``buffer/`` values, which they held alike).
+
+    Example:
+        >>> layer = torch.nn.BatchNorm1d(2)
+        >>> key = "worker-buffer/worker1/running_mean"
+        >>> restore_worker_buffers(layer, {key: torch.ones(2)}, worker=1)
+        >>> layer.running_mean
+        tensor([1., 1.])
+    """
+    if model is None:
+        return
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            saved = tensors.get(f"{WORKER_BUFFER}worker{worker}/{name}")
+            if saved is not None:
+                buffer.copy_(saved)
+
+
 def restore(checkpoint: Checkpoint, strategy: Strategy, worker: int) -> int:
     """Put the checkpoint's state where ``strategy`` keeps it (its ``restore_state``) and
     this worker's RNG states back (its GPU's too, where the run trained on one); the
@@ -212,6 +273,7 @@ def restore(checkpoint: Checkpoint, strategy: Strategy, worker: int) -> int:
     """
     steps_done = int(checkpoint.meta["step"])
     strategy.restore_state(checkpoint.tensors, steps_done)
+    restore_worker_buffers(strategy.model, checkpoint.tensors, worker)
     rng = checkpoint.tensors.get(f"{RNG}worker{worker}")
     if rng is not None:
         torch.set_rng_state(rng)
@@ -226,7 +288,9 @@ __all__ = [
     "checkpoint_step",
     "meta_differences",
     "restore",
+    "restore_worker_buffers",
     "resumable",
     "rng_tensors",
     "run_settings",
+    "worker_buffers",
 ]

@@ -42,7 +42,7 @@ from gradsync.probe import (
 )
 from gradsync.progress import StepProgress
 from gradsync.rendezvous import RankInfo, finish_process, join_process_group
-from gradsync.resume import checkpoint_step, restore, rng_tensors, run_settings
+from gradsync.resume import checkpoint_step, restore, rng_tensors, run_settings, worker_buffers
 from gradsync.signals import Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
@@ -380,11 +380,12 @@ def _serve(
 def _write_checkpoint(
     strategy: Strategy, out: Path, meta: dict[str, object], context: Context
 ) -> None:
-    # Every worker's RNG state too, for --resume (a collective of the workers).
+    # Every worker's RNG state and own buffers too, for --resume (collectives of the workers).
     rng = rng_tensors(context.worker_group, context.num_workers, context.device)
+    own = worker_buffers(strategy.model, context.worker_group, context.num_workers)
     tensors = strategy.checkpoint_tensors()
     if tensors is not None:
-        save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng}, meta)
+        save_checkpoint(out / CHECKPOINT_FILE, {**tensors, **rng, **own}, meta)
     elif context.worker_index == 0 and meta["step"] == context.config.steps:  # once, at the end
         print(
             f"gradsync: warning: strategy '{strategy.name}' gave no checkpoint tensors, so the "

@@ -88,6 +88,10 @@ RESUMED = {
     ),
     "p3": ("--strategy", "p3", "--workers", "2", "--slice-size", "40"),
     "p3-colocate": ("--strategy", "p3", "--workers", "2", "--colocate", "--slice-size", "40"),
+    # Each worker's own moving average feeds its forward: it must get its own back.
+    "allreduce-worker-buffers": (
+        "--strategy", "allreduce", "--workers", "2", "--model-option", "ema=1",
+    ),
 }  # fmt: skip
 
 

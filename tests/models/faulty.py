@@ -10,7 +10,9 @@ Options (``--model-option KEY=VALUE``):
   ``RuntimeError("this model fails on purpose")``, while the launcher's own check of the
   model, which has no process group, goes through;
 - ``sparse=1``: it also adds a row of a sparse ``nn.Embedding`` (picked by the first
-  input) to its output, so ``hybrid`` has a sparse variable for its servers.
+  input) to its output, so ``hybrid`` has a sparse variable for its servers;
+- ``ema=1``: it adds to its output a buffer that keeps a moving average of its outputs,
+  each worker's own (of its shard), so a resume must give each worker its own back.
 
 It has dropout, so a resumed run matches only if the RNG streams are restored too.
 """
@@ -39,6 +41,7 @@ class Faulty(nn.Module):
         marker: str,
         sparse: bool,
         raise_in_ranks: bool = False,
+        ema: bool = False,
     ) -> None:
         super().__init__()
         self.layers = nn.Sequential(
@@ -48,6 +51,7 @@ class Faulty(nn.Module):
         self.calls = 0
         self.crash_at, self.crash_rank, self.marker = crash_at, crash_rank, Path(marker)
         self.raise_in_ranks = raise_in_ranks
+        self.register_buffer("ema", torch.zeros(4) if ema else None)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -61,6 +65,9 @@ class Faulty(nn.Module):
         if self.table is not None:  # a few hot rows, others rarely: rows the servers leave behind
             rows = (inputs[:, 0].abs() * 4).long().clamp(max=ROWS - 1)
             output = output + self.table(rows)
+        if self.ema is not None:  # the average of this worker's outputs so far
+            self.ema.mul_(0.9).add_(output.detach().mean(0), alpha=0.1)
+            output = output + self.ema
         return output
 
 
@@ -73,6 +80,7 @@ def build(
     nan_at: str = "0",
     sparse: str = "0",
     raise_in_ranks: str = "0",
+    ema: str = "0",
 ):
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(256, 8, generator=generator)
@@ -84,6 +92,7 @@ def build(
         marker=marker,
         sparse=sparse == "1",
         raise_in_ranks=raise_in_ranks == "1",
+        ema=ema == "1",
     )
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
