@@ -49,6 +49,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
+from gradsync.checkpoint import with_own_storage
+
 HEADER = 8
 MAX_PENDING = 64  # sends an Outbox keeps in flight before it waits for the oldest
 TAG_PUSH, TAG_REPLY = 101, 102  # worker → server, server → worker
@@ -176,7 +178,7 @@ def encode_state(tensors: dict[str, Tensor]) -> Tensor:
         >>> decode_state(encode_state({"values": torch.ones(2)}))["values"].tolist()
         [1.0, 1.0]
     """
-    contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
+    contiguous = with_own_storage({k: v.detach().contiguous() for k, v in tensors.items()})
     return torch.frombuffer(bytearray(save_tensors(contiguous)), dtype=torch.uint8)
 
 

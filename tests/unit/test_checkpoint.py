@@ -427,3 +427,13 @@ def test_tensors_that_share_memory_are_written(tmp_path: Path) -> None:
     tensors = load_checkpoint(path).tensors
     assert torch.equal(tensors["buffer/weight_ref"], model.weight.detach())
     assert torch.equal(tensors["param/high"], torch.arange(2.0, 6.0))
+
+
+def test_a_servers_state_with_one_tensor_under_several_keys_is_sent() -> None:
+    """hybrid --partitions 3 on one server: every partition's lag/sums is one tensor, and
+    the LOAD of a resume crashed in safetensors (session 31's probe)."""
+    from gradsync.comm.wire import decode_state, encode_state
+
+    sums = torch.arange(3.0)
+    state = decode_state(encode_state({"0/lag/sums": sums, "1/lag/sums": sums}))
+    assert torch.equal(state["0/lag/sums"], sums) and torch.equal(state["1/lag/sums"], sums)
