@@ -7,11 +7,21 @@ and Horovod's users get by default (``verify`` reports it as an expected differe
 torch's ``nn.SyncBatchNorm`` runs on GPUs only. This module gives every strategy that splits
 a global batch over workers the same statistics the single-process reference computes over
 the whole batch (Ioffe & Szegedy 2015), so BatchNorm models stay verifiable. Forward
-all-gathers per-channel (count, mean, M2); backward allreduces (Σ dy, Σ dy·x̂).
+all-gathers per-channel (count, mean, M2); backward allreduces (Σ dy, Σ dy·x̂). A worker
+whose shard gives a layer no rows sends count 0 and zero sums, and still joins both.
+
+Every worker must run every layer the same number of times in a step: a collective of one
+layer would otherwise pair with another layer's, or with a gradient bucket, on the other
+workers. So each collective also carries the identity of its call (layer, forward or
+backward, call number), and every rank checks after it that all ranks sent the same one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,29 +31,162 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradsync.errors import UserError
 
+# Call numbers wrap here, so that a tag's square summed over up to 2¹³ ranks stays an exact
+# float64 integer. Ranks that drift apart are caught at the first call where they differ.
+CALL_MODULUS = 1 << 20
+ONE_RUN_EACH = (
+    "global BatchNorm needs every worker to run every BatchNorm layer the same number of "
+    "times in a step; use --batchnorm local"
+)
 
-def _combine_moments(local: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """Global (mean, biased variance, count) from every rank's float64 (count, mean, M2) rows.
+
+@dataclass(frozen=True)
+class _Call:
+    """Which call of which global BatchNorm layer a collective belongs to.
+
+    Example:
+        >>> _Call("layer1.bn", index=2, number=5).tag(backward=True)
+        [-3.0, 5.0]
+    """
+
+    layer: str  # the layer's name in the model, for messages
+    index: int  # its position among the model's global BatchNorm layers
+    number: int  # its forward calls so far, this one included (modulo CALL_MODULUS)
+
+    def tag(self, *, backward: bool) -> list[float]:
+        """Two small integers naming this call's forward or backward collective; never 0,
+        so a rank that sent zeros (or nothing of this call) cannot match it."""
+        layer = float(self.index + 1)
+        return [-layer if backward else layer, float(self.number)]
+
+    def mismatch(self, phase: str, others: list[int]) -> UserError:
+        """The one-line error of a collective that other ranks (``others``, when known) did
+        not run for this call."""
+        where = f"; worker(s) {', '.join(map(str, others))} in another collective" if others else ""
+        return UserError(
+            f"BatchNorm layer {self.layer} ran on some workers only: {ONE_RUN_EACH} ({phase} "
+            f"call {self.number}{where})"
+        )
+
+
+@contextlib.contextmanager
+def _collective_of(call: _Call, phase: str) -> Iterator[None]:
+    """Name the layer when its collective times out: the usual cause is a worker that
+    skipped the layer and will never join (any other failure, a peer that died first
+    included, keeps its own message)."""
+    try:
+        yield
+    except RuntimeError as error:
+        # Gloo's words: "Timed out waiting 300000ms for recv operation to complete".
+        timeout = re.search(r"timed out(?: waiting (\d+) ?ms)?", str(error), re.IGNORECASE)
+        if timeout is None:
+            raise
+        after = f" after {int(timeout[1]) / 1000:g} s" if timeout[1] else ""
+        raise UserError(
+            f"BatchNorm layer {call.layer} timed out{after} waiting for the other workers: if "
+            f"one skipped it, {ONE_RUN_EACH} ({phase} call {call.number})"
+        ) from error
+
+
+def _checked(values: Tensor, agree: Tensor, call: _Call, phase: str) -> Tensor:
+    """``values`` when ``agree`` holds everywhere (every rank sent ``call``'s tag; one flag,
+    or one per rank), else a UserError.
+
+    On the CPU the check is free. On an accelerator reading ``agree`` would stall the
+    device at every layer, so there a mismatch turns ``values`` into NaN instead: the loss
+    stops the run rather than train on another collective's numbers.
+    """
+    if agree.device.type != "cpu":
+        return torch.where(agree.all(), values, torch.nan)
+    if not bool(agree.all()):
+        flags = agree.tolist() if agree.dim() else []
+        raise call.mismatch(phase, [rank for rank, same in enumerate(flags) if not same])
+    return values
+
+
+def _local_moments(x: Tensor) -> Tensor:
+    """This rank's per-channel float64 (count, mean, M2) rows, shape (3, C); zeros when its
+    shard gives the layer no rows (torch's moments kernel refuses an empty input)."""
+    count = x.numel() // x.shape[1]
+    if count == 0:
+        return x.new_zeros(3, x.shape[1], dtype=torch.float64)
+    mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    return torch.stack([torch.full_like(mean, count), mean, var * count]).double()
+
+
+def _gather_moments(local: Tensor, call: _Call, group: Any) -> Tensor:
+    """Every rank's (count, mean, M2) rows, stacked by rank: shape (world size, 3, C).
+
+    The call's tag travels as two extra elements: all ranks see all tags, so each rank
+    checks that every other rank gathered for the same call.
+    """
+    world_size = dist.get_world_size(group)
+    if world_size == 1:  # nothing to gather (``gradsync profile`` times the layer that way)
+        return local.unsqueeze(0)
+    tag = local.new_tensor(call.tag(backward=False))
+    payload = torch.cat([local.flatten(), tag])
+    gathered = [torch.empty_like(payload) for _ in range(world_size)]
+    with _collective_of(call, "forward"):
+        dist.all_gather(gathered, payload, group=group)
+    rows = torch.stack(gathered)
+    agree = (rows[:, -2:] == tag).all(1)  # per rank
+    return _checked(rows[:, :-2].view(world_size, *local.shape), agree, call, "forward")
+
+
+def _combine_moments(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Global (mean, biased variance, count) from every rank's float64 (count, mean, M2).
 
     Chan et al.'s pairwise formula: no E[x²]−E[x]² cancellation, so the result matches a
-    single-process BatchNorm over the whole batch to rounding. A group of one rank has
-    nothing to gather (``gradsync profile`` times the layer that way).
+    single-process BatchNorm over the whole batch to rounding. A rank with no rows adds
+    nothing; with no rows anywhere, the mean and variance are NaN (and unused).
     """
-    if dist.get_world_size(group) == 1:
-        counts, means, m2s = local.unsqueeze(1).unbind(0)
-    else:
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, local, group=group)
-        counts, means, m2s = torch.stack(gathered).unbind(1)
+    counts, means, m2s = rows.unbind(1)
     total = counts.sum(0)
     mean = (counts * means).sum(0) / total
     m2 = (m2s + counts * (means - mean) ** 2).sum(0)
     return mean, m2 / total, total[0]
 
 
+def _sum_over_ranks(sums: Tensor, call: _Call, group: Any) -> Tensor:
+    """``sums`` (float64) summed over the ranks of ``group``.
+
+    The call's tag and its square ride along; every rank checks Σ tag = world·tag and
+    Σ tag² = world·tag², which together hold only when all ranks sent the same tag (a
+    rank that passes both has a tag of zero spread). Exact: small integers in float64.
+    """
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return sums
+    tag = sums.new_tensor(call.tag(backward=True))
+    payload = torch.cat([sums, tag, tag * tag])
+    with _collective_of(call, "backward"):
+        dist.all_reduce(payload, group=group)
+    agree = (payload[-4:] == world_size * torch.cat([tag, tag * tag])).all()
+    return _checked(payload[:-4], agree, call, "backward")
+
+
 def _per_channel(values: Tensor, like: Tensor) -> Tensor:
     """``values`` (one per channel) shaped to broadcast over ``like`` (N, C, ...)."""
     return values.view(1, -1, *[1] * (like.dim() - 2))
+
+
+def _local_grad_sums(
+    grad_out: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Σ dy·x̂ and Σ dy per channel over this rank's rows, in one fused pass; zeros when it
+    has none (torch's kernel divides by the row count: SIGFPE on an empty input).
+
+    The global moments are given as the saved batch moments (training mode), which every
+    device's kernel accepts; CUDA's refuses them as running statistics. Σ dy·x̂ does not
+    depend on the weight; CUDA's kernel needs one to size its output.
+    """
+    if x.numel() == 0:
+        return torch.zeros_like(mean), torch.zeros_like(mean)
+    some_weight = weight if weight is not None else torch.ones_like(mean)
+    _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+        grad_out, x, some_weight, None, None, mean, invstd, True, eps, [False, True, True]
+    )
+    return grad_weight, grad_bias
 
 
 class _GlobalBatchNorm(torch.autograd.Function):
@@ -56,39 +199,34 @@ class _GlobalBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group: Any
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        count = x.numel() // x.shape[1]
-        local_mean, local_var = torch.batch_norm_update_stats(x, None, None, 0.0)
-        moments = torch.stack([torch.full_like(local_mean, count), local_mean, local_var * count])
-        mean, var, total = _combine_moments(moments.double(), group)
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        eps: float,
+        group: Any,
+        call: _Call,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        rows = _gather_moments(_local_moments(x), call, group)
+        mean, var, total = _combine_moments(rows)
         mean, var = mean.to(x.dtype), var.to(x.dtype)
         # Inference-mode BatchNorm with the global moments as its statistics: x̂·w + b.
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-        ctx.save_for_backward(x, weight, mean, var, total.to(x.dtype))
-        ctx.group, ctx.eps = group, eps
+        ctx.save_for_backward(x, weight, mean, var, total)
+        ctx.group, ctx.eps, ctx.call = group, eps, call
         unbiased = (var.double() * total / (total - 1).clamp(min=1)).to(x.dtype)
-        ctx.mark_non_differentiable(mean, unbiased)
-        return y, mean, unbiased
+        ctx.mark_non_differentiable(mean, unbiased, total)
+        return y, mean, unbiased, total
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, mean, var, total = ctx.saved_tensors
         invstd = torch.rsqrt(var + ctx.eps)
-        # Σ dy·x̂ and Σ dy per channel, in one pass: the parameter gradients. They stay
-        # local (the strategy averages them like every other gradient); the input gradient
-        # needs their global sums. The global moments are given as the saved batch moments
-        # (training mode), which every device's kernel accepts; CUDA's refuses them as
-        # running statistics.
-        # Σ dy·x̂ does not depend on the weight; CUDA's kernel needs one to size its output.
-        some_weight = weight if weight is not None else torch.ones_like(mean)
-        _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
-            grad_out, x, some_weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
-        )
-        sums = torch.cat([grad_bias, grad_weight])
-        if dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(sums, group=ctx.group)
-        mean_dy, mean_dy_xhat = (sums / total).view(2, -1)
+        # The parameter gradients stay local (the strategy averages them like every other
+        # gradient); the input gradient needs their global sums.
+        grad_weight, grad_bias = _local_grad_sums(grad_out, x, weight, mean, invstd, ctx.eps)
+        sums = _sum_over_ranks(torch.cat([grad_bias, grad_weight]).double(), ctx.call, ctx.group)
+        mean_dy, mean_dy_xhat = (sums / total).to(x.dtype).view(2, -1)
         scale = invstd if weight is None else invstd * weight
         # grad_x = scale·(dy − mean(dy) − x̂·mean(dy·x̂)), with x̂ = (x − mean)·invstd,
         # is per channel scale·dy + slope·x + offset.
@@ -97,8 +235,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
         grad_x = torch.addcmul(_per_channel(offset, x), x, _per_channel(slope, x))
         grad_x.addcmul_(grad_out, _per_channel(scale, x))
         if weight is None:
-            return grad_x, None, None, None, None
-        return grad_x, grad_weight, grad_bias, None, None
+            return grad_x, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 class GlobalBatchNorm(nn.Module):
@@ -107,13 +245,15 @@ class GlobalBatchNorm(nn.Module):
     Built from an existing BatchNorm layer of any kind (1d/2d/3d, with or without affine
     parameters or running statistics); parameters and running buffers are shared. Without
     running statistics, eval mode normalizes with the batch's statistics, as torch does,
-    so those are global too.
+    so those are global too. ``name`` and ``index`` (the layer's name in its model and its
+    position among the model's global layers) tell its collectives from those of other
+    layers; :func:`convert_batchnorm` sets both.
 
     Example:
         >>> bn = GlobalBatchNorm(nn.BatchNorm2d(4), group=None)  # needs an initialized group
     """
 
-    def __init__(self, source: _BatchNorm, group: Any) -> None:
+    def __init__(self, source: _BatchNorm, group: Any, *, name: str = "", index: int = 0) -> None:
         super().__init__()
         self.weight = source.weight
         self.bias = source.bias
@@ -123,6 +263,9 @@ class GlobalBatchNorm(nn.Module):
         self.eps = source.eps
         self.momentum = source.momentum
         self.group = group
+        self.name = name or type(source).__name__
+        self.index = index
+        self.num_calls = 0  # forwards with collectives so far: the same on every rank
         self.train(source.training)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -131,45 +274,52 @@ class GlobalBatchNorm(nn.Module):
             return nn.functional.batch_norm(
                 x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
             )
-        y, mean, unbiased_var = _GlobalBatchNorm.apply(
-            x, self.weight, self.bias, self.eps, self.group
+        self.num_calls = self.num_calls % CALL_MODULUS + 1
+        call = _Call(self.name, self.index, self.num_calls)
+        y, mean, unbiased_var, total = _GlobalBatchNorm.apply(
+            x, self.weight, self.bias, self.eps, self.group, call
         )
-        if not (self.training and tracking):
-            return y
-        with torch.no_grad():
-            self.num_batches_tracked.add_(1)
-            momentum = (
-                self.momentum
-                if self.momentum is not None
-                else (1.0 / float(self.num_batches_tracked))
-            )
-            self.running_mean.lerp_(mean, momentum)
-            self.running_var.lerp_(unbiased_var, momentum)
+        if self.training and tracking:
+            self._track(mean, unbiased_var, seen=total > 0)
         return y
+
+    @torch.no_grad()
+    def _track(self, mean: Tensor, unbiased_var: Tensor, seen: Tensor) -> None:
+        """Move the running statistics towards the batch's, as torch's layer does; a global
+        batch of no rows (``seen`` false) only counts the batch."""
+        self.num_batches_tracked.add_(1)
+        momentum = (
+            self.momentum if self.momentum is not None else (1.0 / float(self.num_batches_tracked))
+        )
+        for running, batch in ((self.running_mean, mean), (self.running_var, unbiased_var)):
+            running.copy_(torch.where(seen, running.lerp(batch, momentum), running))
 
 
 def convert_batchnorm(module: nn.Module, group: Any) -> int:
     """Replace every BatchNorm layer inside ``module`` by a :class:`GlobalBatchNorm` in place.
 
     Returns the number of layers replaced. Parameter names and identities do not change; a
-    layer reachable under several names becomes one global layer under all of them.
-    UserError for a subclass with a forward of its own (see :func:`unconvertible_batchnorm`).
+    layer reachable under several names becomes one global layer under all of them (named
+    by the first). UserError for a subclass with a forward of its own (see
+    :func:`unconvertible_batchnorm`).
 
     Example:
         >>> norm = nn.BatchNorm1d(2)
         >>> model = nn.ModuleDict({"a": norm, "b": norm})
-        >>> convert_batchnorm(model, group=None), model["a"] is model["b"]
-        (1, True)
+        >>> convert_batchnorm(model, group=None), model["a"] is model["b"], model["b"].name
+        (1, True, 'a')
     """
     problem = unconvertible_batchnorm(module)
     if problem:
         raise UserError(problem)
     converted: dict[int, GlobalBatchNorm] = {}
-    for parent in list(module.modules()):
+    for prefix, parent in list(module.named_modules(remove_duplicate=False)):
         for name, child in list(parent._modules.items()):  # named_children skips aliases
             if isinstance(child, _BatchNorm):
                 if id(child) not in converted:
-                    converted[id(child)] = GlobalBatchNorm(child, group)
+                    path = f"{prefix}.{name}" if prefix else name
+                    layer = GlobalBatchNorm(child, group, name=path, index=len(converted))
+                    converted[id(child)] = layer
                 setattr(parent, name, converted[id(child)])
     return len(converted)
 

@@ -10,6 +10,9 @@ rank k is ``world_size`` × the reference's (exactly what averaging upstream gra
 from __future__ import annotations
 
 import copy
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradsync.comm.batchnorm import GlobalBatchNorm, convert_batchnorm
+from gradsync.errors import UserError
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 NUM_STEPS = 3
@@ -323,3 +327,163 @@ def test_convert_keeps_the_training_mode():
     model = nn.Sequential(nn.BatchNorm2d(3)).eval()
     convert_batchnorm(model, group=None)
     assert not model[0].training
+
+
+# ------------------------------------------------------------------------------------------
+# A shard that gives a layer no rows: count 0 and zero sums, in every collective.
+
+EXACT = dict(rtol=1e-12, atol=1e-12)  # float64: rounding is ~1e-16
+SHARDS = {
+    # name: (layer kind, where each rank's samples of the 8-sample global batch start and end)
+    "rank-1-and-3-empty": ("bn1d", (0, 3, 3, 8, 8)),
+    "rank-0-empty-2d": ("bn2d", (0, 0, 8)),
+    "rank-1-empty-seq": ("bn1d-seq", (0, 8, 8)),
+    "all-empty": ("bn1d", (0, 0, 0)),  # torch's layer: empty output, statistics kept
+}
+
+
+def _steps_on_rows(layer: nn.Module, kind: str, lo: int, hi: int, global_rows: int) -> list[dict]:
+    """``_run_shard`` with a loss normalized by the global batch (a shard's own mean is NaN
+    over no rows), parameter gradients summed over ranks; float64 throughout."""
+    records = []
+    for step in range(NUM_STEPS):
+        x, weights = (t.double()[:global_rows] for t in _batch(kind, step))
+        shard = x[lo:hi].clone().requires_grad_(True)
+        y = layer(shard)
+        ((y * weights[lo:hi]).sum() / len(x)).backward()
+        grads = torch.stack([layer.weight.grad, layer.bias.grad])
+        if dist.is_initialized():
+            dist.all_reduce(grads)
+        records.append(
+            {
+                "y": y.detach(),
+                "grad_x": shard.grad,
+                "grads": grads,
+                "stats": torch.stack([layer.running_mean, layer.running_var]),
+                "num_batches_tracked": int(layer.num_batches_tracked),
+            }
+        )
+        layer.weight.grad = layer.bias.grad = None
+    layer.eval()
+    x = _batch(kind, NUM_STEPS)[0].double()[:global_rows]
+    records.append({"y": layer(x[lo:hi]).detach()})
+    return records
+
+
+def _empty_shards_on_ranks(rank: int, world_size: int, name: str) -> list[dict]:
+    kind, bounds = SHARDS[name]
+    model = nn.Sequential(_make(kind, 0.1).double())
+    convert_batchnorm(model, group=None)
+    return _steps_on_rows(model[0], kind, bounds[rank], bounds[rank + 1], bounds[-1])
+
+
+@pytest.mark.parametrize("name", list(SHARDS))
+def test_a_rank_with_no_rows_contributes_nothing_and_joins_every_collective(run_ranks, name):
+    """A worker whose shard selects no rows for a layer (a masked subset) crashed in torch's
+    moments kernel ('input tensor must have at least one element'), and its backward kernel
+    dies of SIGFPE on an empty input. Now it sends count 0 and zero sums."""
+    kind, bounds = SHARDS[name]
+    world_size = len(bounds) - 1
+    want = _steps_on_rows(_make(kind, 0.1).double(), kind, 0, bounds[-1], bounds[-1])
+    ranks = run_ranks(world_size, _empty_shards_on_ranks, name)
+    for step, expected in enumerate(want):
+        got = [ranks[r][step] for r in range(world_size)]
+        torch.testing.assert_close(torch.cat([g["y"] for g in got]), expected["y"], **EXACT)
+        if step == NUM_STEPS:  # the eval forward
+            continue
+        grad_x = torch.cat([g["grad_x"] for g in got])
+        torch.testing.assert_close(grad_x, expected["grad_x"], **EXACT)
+        for g in got:
+            for key in ("grads", "stats", "num_batches_tracked"):
+                torch.testing.assert_close(g[key], expected[key], **EXACT, msg=f"{key} {step}")
+    assert bool(want[0]["stats"].isfinite().all())
+
+
+# ------------------------------------------------------------------------------------------
+# A layer that some workers run and others do not, in one step: a one-line UserError on at
+# least one rank (never statistics of another layer, never a silent hang).
+
+BRANCH_TIMEOUT_S = 4.0
+
+
+def _two_layers() -> nn.Module:
+    """Two global layers of the same width, so their collectives have the same size."""
+    model = nn.ModuleDict({"a": nn.BatchNorm1d(5), "b": nn.BatchNorm1d(5)}).double()
+    convert_batchnorm(model, group=None)
+    return model
+
+
+def _user_error(run: Any) -> str:
+    """What ``run()`` raised as a UserError ('' when it returned)."""
+    try:
+        run()
+    except UserError as error:
+        return str(error)
+    return ""
+
+
+def _skip_a_layer(rank: int, world_size: int) -> str:
+    """Rank 0 runs a then b; the others b alone: a's collective meets b's."""
+    model = _two_layers()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    return _user_error(lambda: model["b"](model["a"](x) if rank == 0 else x))
+
+
+def _skip_a_backward(rank: int, world_size: int) -> str:
+    """Both ranks run a's forward; rank 1's loss ignores it, so rank 1 has no backward of
+    a and reduces a gradient bucket of the size of a's sums (and their tags) instead. (A
+    bucket of another size makes Gloo abort one of the processes: loud already.)"""
+    model = _two_layers()
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    y = model["a"](x)
+    if rank == 0:
+        return _user_error(lambda: y.square().sum().backward())
+    x.square().sum().backward()
+    dist.all_reduce(torch.randn(2 * 5 + 4, dtype=torch.float64))
+    return ""
+
+
+def _wait_alone(rank: int, world_size: int, flag: str) -> str:
+    """Rank 0 runs a; rank 1 runs no collective at all until rank 0 has given up."""
+    if rank == 0:
+        message = _user_error(lambda: _two_layers()["a"](torch.randn(4, 5, dtype=torch.float64)))
+        Path(flag).touch()
+        return message
+    deadline = time.monotonic() + 3 * BRANCH_TIMEOUT_S
+    while not Path(flag).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ""
+
+
+def _assert_one_run_each(message: str, layer: str, details: str) -> None:
+    """One line that names the layer, the rule and the remedy within what a report shows
+    of it (240 characters), then the details."""
+    assert message.startswith(f"BatchNorm layer {layer} ") and "\n" not in message, message
+    rule = "every worker to run every BatchNorm layer the same number of times in a step"
+    assert rule in message[:240] and "use --batchnorm local" in message[:240]
+    assert details in message
+
+
+def test_a_layer_skipped_on_one_rank_is_named_not_paired_with_another_layer(run_ranks):
+    """a's statistics on rank 0 met b's on rank 1 (same size): rank 0 normalized with b's
+    input too, silently. Every rank sees every tag, so both say so."""
+    first, second = run_ranks(2, _skip_a_layer, timeout=BRANCH_TIMEOUT_S)
+    _assert_one_run_each(first, "a", "forward call 1; worker(s) 1 in another collective")
+    _assert_one_run_each(second, "b", "forward call 1; worker(s) 0 in another collective")
+
+
+def test_a_backward_skipped_on_one_rank_is_named_not_summed_with_a_gradient(run_ranks):
+    """Rank 0's Σ dy met a gradient bucket of rank 1: a bucket of the same size would add
+    gradients to its sums, silently. The tags' sums (and their squares') give it away."""
+    message, other = run_ranks(2, _skip_a_backward, timeout=BRANCH_TIMEOUT_S)
+    _assert_one_run_each(message, "a", "backward call 1")
+    assert other == ""
+
+
+def test_a_rank_waiting_alone_in_a_layer_names_it_at_the_timeout(run_ranks, tmp_path):
+    """The other rank runs no collective at all: rank 0 waits until the group's timeout,
+    then names the layer instead of Gloo's 'Timed out waiting … for recv'."""
+    flag = str(tmp_path / "rank0-gave-up")
+    message, _ = run_ranks(2, _wait_alone, flag, timeout=BRANCH_TIMEOUT_S)
+    assert f"timed out after {BRANCH_TIMEOUT_S:g} s waiting for the other workers" in message
+    _assert_one_run_each(message, "a", "(forward call 1)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from gradsync.comm.batchnorm import has_batchnorm
@@ -147,3 +148,59 @@ def test_a_strategies_list_keeps_a_tuple_options_values_together() -> None:
     assert specs == ["ddp", "hybrid:dense_patterns=emb*,fc*", "p3"]
     config = cell_config(TrainConfig(model="lstm-lm"), specs[1], 2, Path("v"))
     assert config.strategy_options.dense_patterns == ("emb*", "fc*")
+
+
+def test_converted_layers_are_named_by_path_and_numbered_in_model_order() -> None:
+    """The names and numbers that a global layer's collectives carry, and its errors name."""
+    from gradsync.comm.batchnorm import convert_batchnorm
+
+    shared = nn.BatchNorm1d(4)
+    model = nn.Sequential(
+        nn.BatchNorm2d(3), nn.Sequential(nn.Flatten(), shared), nn.ModuleList([shared])
+    )
+    assert convert_batchnorm(model, group=None) == 2
+    assert (model[0].name, model[0].index) == ("0", 0)
+    assert (model[1][1].name, model[1][1].index) == ("1.1", 1)
+    assert model[2][0] is model[1][1]
+
+
+def test_a_calls_tag_tells_layers_directions_and_calls_apart() -> None:
+    """Never 0 (a rank that sent zeros, or a gradient of 0, cannot pass for a call), the
+    forward's and the backward's differ, and call numbers wrap before squares lose bits."""
+    from gradsync.comm.batchnorm import CALL_MODULUS, _Call
+
+    tags = {
+        tuple(_Call("bn", index, number).tag(backward=backward))
+        for index in (0, 1)
+        for number in (1, 2)
+        for backward in (False, True)
+    }
+    assert len(tags) == 8 and all(0 not in tag for tag in tags)
+    assert (2**13 * CALL_MODULUS**2) <= 2**53  # Σ tag² over 8192 ranks stays exact
+
+
+def test_a_mismatch_is_one_line_with_the_rule_and_the_remedy_first() -> None:
+    """verify shows 240 characters of a job's error: the details come last."""
+    from gradsync.comm.batchnorm import _Call, _checked
+
+    call = _Call("layer3.8.bn2", 54, 7)
+    values = torch.ones(3)
+    assert _checked(values, torch.tensor([True, True]), call, "forward") is values
+    with pytest.raises(UserError) as raised:
+        _checked(values, torch.tensor([True, False, False]), call, "forward")
+    message = str(raised.value)
+    assert message.startswith("BatchNorm layer layer3.8.bn2 ran on some workers only: ")
+    assert "same number of times in a step; use --batchnorm local" in message[:240]
+    assert message.endswith("(forward call 7; worker(s) 1, 2 in another collective)")
+    with pytest.raises(UserError, match=r"\(backward call 7\)$"):
+        _checked(values, torch.tensor(False), call, "backward")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_mismatch_poisons_the_values_instead_of_stalling_the_device() -> None:
+    from gradsync.comm.batchnorm import _Call, _checked
+
+    values = torch.ones(3, device="cuda")
+    agree = torch.tensor([True, False], device="cuda")
+    assert bool(_checked(values, agree, _Call("bn", 0, 1), "forward").isnan().all())
+    assert bool((_checked(values, agree[:1], _Call("bn", 0, 1), "forward") == 1).all())
