@@ -40,6 +40,7 @@ import functools
 import re
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -305,7 +306,7 @@ class Hybrid(ServerStrategy):
         self.server_ranks = [
             s if self.options.colocate else context.num_workers + s for s in range(self.num_servers)
         ]
-        self.lanes = Lanes.create(context.world_size)
+        self.lanes = Lanes.create(context.world_size, timedelta(seconds=config.launch.timeout_s))
         from gradsync.topology import detect_environment
 
         env = detect_environment()

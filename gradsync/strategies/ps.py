@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from torch import Tensor, nn
@@ -146,7 +147,7 @@ class ParameterServer(ServerStrategy):
         config, workers = context.config, context.num_workers
         options = config.strategy_options
         self.context = context
-        self.lanes = Lanes.create(context.world_size)
+        self.lanes = Lanes.create(context.world_size, timedelta(seconds=config.launch.timeout_s))
         self.num_servers = options.num_servers(workers)
         # Server s lives on rank s when colocated, after the workers otherwise.
         self.server_ranks = [
