@@ -10,31 +10,127 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from gradsync.errors import UserError
+
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
+# Errors of the device a file is written to, not of gradsync: one line each (WriteFailed).
+_DEVICE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+_DEVICE_ADVICE = {
+    errno.ENOSPC: "free space there, or pass another --out",
+    errno.EDQUOT: "free space within your quota, or pass another --out",
+    errno.EROFS: "pass an --out on a writable file system",
+}
+
+_live_folders: set[Path] = set()  # run folders a running job writes into (watch_folder)
+
+
+class WriteFailed(UserError, OSError):
+    """A file could not be written for a cause outside gradsync (the disk is full, a quota
+    is reached, the file system is read-only, the run folder was removed): one line naming
+    the file and the cause. Still an ``OSError``, so a caller that handles failed writes
+    (``except OSError``) handles it as before."""
+
+
+def device_error(
+    path: Path, error: BaseException, *, folder: Path | None = None
+) -> WriteFailed | None:
+    """The one-line :class:`WriteFailed` for ``error``, raised writing ``path``, when its
+    cause is the device (no space left, a quota, a read-only file system), also when a
+    library wrapped the ``OSError`` in an error of its own (safetensors' SafetensorError says
+    "No space left on device (os error 28)"); None for any other error. ``folder``: the
+    one to name (the run folder of a file in its subfolder), ``path``'s own by default.
+
+    Example:
+        >>> error = device_error(Path("run/x.json"), OSError(28, "No space left on device"))
+        >>> isinstance(error, UserError), str(error).split(";")[0]
+        (True, 'cannot write run/x.json: No space left on device (the file system of run)')
+        >>> device_error(Path("x"), ValueError("bad")) is None
+        True
+    """
+    code = getattr(error, "errno", None) if isinstance(error, OSError) else None
+    if code not in _DEVICE_ERRNOS:
+        text = str(error)
+        code = next((c for c in _DEVICE_ERRNOS if os.strerror(c) in text), None)
+        if code is None:
+            return None
+    return WriteFailed(
+        f"cannot write {path}: {os.strerror(code)} (the file system of {folder or path.parent}); "
+        f"{_DEVICE_ADVICE[code]}"
+    )
+
+
+def watch_folder(folder: Path) -> None:
+    """Mark ``folder`` as the run folder of a job running in this process: from now on a
+    write into it while it no longer exists (deleted while the job ran) is one line
+    (:func:`check_folder`), never a new empty folder that the job fills blind.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp()) / "run"
+        >>> run.mkdir(); watch_folder(run); run.rmdir()
+        >>> atomic_write_text(run / "summary.json", "{}")
+        Traceback (most recent call last):
+        ...
+        gradsync.files.WriteFailed: run folder ... was removed while the job ran; summary.json ...
+    """
+    _live_folders.add(Path(os.path.abspath(folder)))
+
+
+def check_folder(path: Path) -> None:
+    """WriteFailed when ``path`` lies in a run folder of :func:`watch_folder` that has been
+    removed (a new subfolder of one that is still there is made as before)."""
+    if not _live_folders or path.parent.is_dir():
+        return
+    target = Path(os.path.abspath(path))
+    for folder in _live_folders:
+        if target.is_relative_to(folder) and not folder.is_dir():
+            raise WriteFailed(
+                f"run folder {folder} was removed while the job ran; {path.name} is not "
+                "written there: start the run again"
+            )
+
 
 def atomic_write_bytes(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path``: readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    """Call ``write(tmp_path)`` then rename over ``path``: readers never see a partial file.
+
+    ``tmp_path`` lies in a temporary folder of its own, ``.{name}.{random}.tmp`` beside
+    ``path`` (a name gradsync recognizes as its own: ``rundir.is_run_entry``), so that a
+    writer's own temporary file (safetensors writes ``.tmpXXXXXX`` beside its target) is
+    inside it too, and a process killed mid-write leaves one entry that a claim or resume
+    of the folder removes. A missing folder is created, except a run folder removed while
+    its job runs (:func:`watch_folder`); a full disk, a quota or a read-only file system is
+    one line (:class:`WriteFailed`) and leaves no temporary behind.
+    """
+    check_folder(path)
+    folder = None
     try:
-        write(Path(tmp))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(folder) / path.name
+        write(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; results are for everyone
+        os.chmod(tmp, 0o666 & ~_UMASK)  # safetensors creates 0600; results are for everyone
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except Exception as error:
+        if (failed := device_error(path, error)) is not None:
+            raise failed from None
+        check_folder(path)  # removed while writing: say so, not the write's own error
         raise
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

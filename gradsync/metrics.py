@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -15,7 +16,8 @@ import torch
 
 from gradsync import allocator
 from gradsync.checkpoint import versions
-from gradsync.files import atomic_write_text
+from gradsync.files import WriteFailed, atomic_write_text, check_folder, device_error, watch_folder
+from gradsync.rundir import remove_stale_temps
 from gradsync.stats import throughput
 
 METRICS_DIR = "metrics"
@@ -67,25 +69,61 @@ class MetricsWriter:
     Workers write :class:`StepRecord` lines (prefix ``rank``), parameter servers
     :class:`ServerRecord` lines (prefix ``server``). A resumed run (``keep_before``: the
     checkpoint's step) keeps the lines of the steps before it and drops the rest.
+
+    ``out`` is this process's run folder from then on (:func:`gradsync.files.watch_folder`):
+    once it is removed while the job runs, the next record or checkpoint is one line, never
+    lines into a deleted file or a new empty folder. A full disk is one line too.
     """
 
     def __init__(
         self, out_dir: Path, rank: int, prefix: str = "rank", *, keep_before: int | None = None
     ) -> None:
         directory = out_dir / METRICS_DIR
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{prefix}{rank}.jsonl"
-        kept = _lines_before(path, keep_before) if keep_before is not None else []
-        self._file: IO[str] = open(path, "w")  # noqa: SIM115
-        self._file.writelines(kept)
-        self._file.flush()
+        self._path = path = directory / f"{prefix}{rank}.jsonl"
+        self._out = out_dir
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            kept = _lines_before(path, keep_before) if keep_before is not None else []
+            self._file: IO[str] = open(path, "w")  # noqa: SIM115
+        except OSError as error:
+            raise device_error(path, error, folder=out_dir) or error from None
+        watch_folder(out_dir)
+        self._guard(lambda: self._file.writelines(kept))
 
     def write(self, record: StepRecord | ServerRecord) -> None:
-        self._file.write(json.dumps(asdict(record)) + "\n")
-        self._file.flush()
+        self._guard(lambda: self._file.write(json.dumps(asdict(record)) + "\n"))
+
+    def _guard(self, write: Callable[[], object]) -> None:
+        """``write`` then flush; a full disk or a removed run folder is one line (WriteFailed)."""
+        try:
+            write()
+            self._file.flush()
+            removed = os.fstat(self._file.fileno()).st_nlink == 0
+        except OSError as error:
+            failed = device_error(self._path, error, folder=self._out)
+            if failed is None:
+                raise
+            self._abandon()
+            raise failed from None
+        if removed:  # the file was deleted under the job: its lines go nowhere
+            self._abandon()
+            check_folder(self._path)
+            raise WriteFailed(
+                f"{self._path} was removed while the job ran; its step records are lost: "
+                "start the run again"
+            )
+
+    def _abandon(self) -> None:
+        """Close without another try at the lines the disk refused (that would fail again,
+        when the file is closed or collected)."""
+        with contextlib.suppress(OSError):
+            self._file.close()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as error:
+            raise device_error(self._path, error, folder=self._out) or error from None
 
 
 def _lines_before(path: Path, step: int) -> list[str]:
@@ -212,12 +250,30 @@ def summarize(
             v["cpu_s_per_step"] for rank, v in summary["servers"].items() if int(rank) >= workers
         )
     atomic_write_text(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    remove_stale_temps(out_dir)  # every rank is done: what a killed attempt left goes
     return summary
 
 
 def _mean(values: Any) -> float:
     values = list(values)
     return statistics.fmean(values) if values else 0.0
+
+
+def unsummarized(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` trained but has no summary: its metrics are there and
+    ``summary.json`` is not (a job killed after its final checkpoint, before rank 0 wrote
+    the summary). ``--resume`` with the same ``--steps`` finishes such a run: no step to
+    train, the summary built from the metrics on disk.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp())
+        >>> (run / METRICS_DIR).mkdir(); unsummarized(run)
+        True
+        >>> _ = (run / SUMMARY_FILE).write_text("{}"); unsummarized(run)
+        False
+    """
+    return (run_dir / METRICS_DIR).is_dir() and not (run_dir / SUMMARY_FILE).is_file()
 
 
 def load_summary(out_dir: Path) -> dict[str, Any]:

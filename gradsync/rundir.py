@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -70,10 +71,85 @@ def is_run_entry(item: Path) -> bool:
         >>> is_run_entry(run / "budget.summary.json"), is_run_entry(run / "notes.json")
         (False, False)
     """
+    if _is_safetensors_temp(item):
+        return True
     name = item.name
     if name.startswith(".") and name.endswith(".tmp"):  # .{entry}.{random}.tmp
         name = name[1:].rsplit(".", 2)[0]
     return name in RUN_ENTRIES or _is_timeline_output(item.with_name(name))
+
+
+def is_stale_temp(item: Path) -> bool:
+    """Whether ``item``, at the top of a run folder, is what an atomic write of gradsync's
+    left when its process was killed mid-write: ``.{entry}.{random}.tmp`` (a file, or the
+    folder the write used) for a name gradsync writes there, or safetensors' own
+    ``.tmpXXXXXX`` of a checkpoint (gradsync before 2026-11 let it write beside the
+    checkpoint). Another node's launch files are never stale: that node may be writing them.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp())
+        >>> [is_stale_temp(run / n) for n in (".summary.json.x1.tmp", ".notes.txt.x1.tmp")]
+        [True, False]
+        >>> is_stale_temp(run / "config.json"), is_stale_temp(run / ".ranks-node1.json.x1.tmp")
+        (False, False)
+    """
+    name = item.name
+    if _other_node(name):
+        return False
+    if _is_safetensors_temp(item):
+        return True
+    return name.startswith(".") and name.endswith(".tmp") and is_run_entry(item)
+
+
+def remove_stale_temps(folder: Path) -> list[str]:
+    """Remove what killed atomic writes left at the top of the run folder ``folder``
+    (:func:`is_stale_temp`; a checkpoint's is the checkpoint's size) and return their
+    names; never a user's file, nor what a link points to. Call it only where no writer of
+    this run is running: with the folder just locked (a claim, ``--resume``), or at the end
+    of a job.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp())
+        >>> (run / ".checkpoint.safetensors.ab12.tmp").mkdir()
+        >>> _ = (run / ".config.json.cd34.tmp").write_text("{")
+        >>> _ = (run / "notes.tmp").write_text("mine")
+        >>> remove_stale_temps(run), sorted(p.name for p in run.iterdir())
+        (['.checkpoint.safetensors.ab12.tmp', '.config.json.cd34.tmp'], ['notes.tmp'])
+    """
+    removed = []
+    try:
+        items = sorted(folder.iterdir())
+    except OSError:
+        return removed
+    for item in items:
+        if not is_stale_temp(item):
+            continue
+        with contextlib.suppress(OSError):  # gone already, or not ours to remove: leave it
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item)
+            else:
+                item.unlink()
+            removed.append(item.name)
+    return removed
+
+
+_SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
+def _is_safetensors_temp(item: Path) -> bool:
+    """Whether ``item`` is safetensors' temporary ``.tmpXXXXXX`` of a gradsync checkpoint: a
+    plain file whose header (written first) holds gradsync's metadata."""
+    if not _SAFETENSORS_TEMP.fullmatch(item.name) or item.is_symlink() or not item.is_file():
+        return False
+    try:
+        with item.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = handle.read(min(size, 1 << 20))
+    except OSError:
+        return False
+    return header.startswith(b'{"') and b'"__metadata__":{"gradsync":' in header
 
 
 def _is_timeline_output(item: Path) -> bool:
@@ -177,6 +253,7 @@ def hold_run_dir(path: Path, *, flag: str = "--out") -> None:
         os.close(folder)
         return
     _held[key] = folder
+    remove_stale_temps(path)  # held now: no writer of ours is running there
 
 
 def claim_resumable_dir(
@@ -361,5 +438,7 @@ __all__ = [
     "claim_resumable_dir",
     "claim_run_dir",
     "hold_run_dir",
+    "is_stale_temp",
     "record_failure",
+    "remove_stale_temps",
 ]
