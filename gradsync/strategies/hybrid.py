@@ -233,6 +233,9 @@ def _has_sparse(config: TrainConfig) -> bool:
 
 # -- the strategy ---------------------------------------------------------------------------
 
+# What worker 0 sends the dedicated servers instead of the spec when the workers ran no step.
+NO_STEP: dict[str, Any] = {"no_step": True}
+
 
 class Hybrid(ServerStrategy):
     """Sparse variables via row-partitioned servers, dense ones via fused allreduce."""
@@ -325,11 +328,13 @@ class Hybrid(ServerStrategy):
             self.node = None
             self.pushers = list(range(context.num_workers))
 
-    def _receive_spec(self, spec: dict[str, Any] | None) -> dict[str, Tensor]:
+    def _receive_spec(self, spec: dict[str, Any] | None) -> dict[str, Tensor] | None:
         """Worker 0's classification, geometry, partition count and initial rows, everywhere;
-        returns the initial rows."""
+        returns the initial rows, or None when the workers ran no step (:data:`NO_STEP`)."""
         initial = spec.pop("initial") if spec is not None else None
         spec = broadcast_json(spec)
+        if spec == NO_STEP:
+            return None
         self.spec_kinds: dict[str, str] = spec["kinds"]
         self.variables = [SparseVariable(*v) for v in spec["variables"]]
         self.partitions = partition_rows(
@@ -371,8 +376,12 @@ class Hybrid(ServerStrategy):
     # -- dedicated server rank -----------------------------------------------------------
 
     def serve(self, context: Context) -> None:
+        """Serve once the workers' first step sends the spec; return at once if they ran no
+        step (a restart or resume after the last one: nothing to serve)."""
         self._join(context, is_worker=False)
-        self._run_dedicated(context, self._receive_spec(None))
+        initial = self._receive_spec(None)
+        if initial is not None:
+            self._run_dedicated(context, initial)
 
     # -- worker ----------------------------------------------------------------------------
 
@@ -462,6 +471,7 @@ class Hybrid(ServerStrategy):
                 flush=True,
             )
         initial = self._receive_spec(spec)
+        assert initial is not None  # worker 0 sent the spec, not NO_STEP
         if self.spec_kinds != self.kinds:
             raise RuntimeError(
                 f"rank {context.rank} classified the variables differently "
@@ -688,12 +698,22 @@ class Hybrid(ServerStrategy):
         """Release the servers. Lookups after this (the validation pass) read the worker's
         own tables, which worker 0's final checkpoint filled with the servers' rows."""
         if not self._connected:
+            self._release_unstarted_servers()
             return
         self.client.done()
         self._connected = False  # no pull may wait on a server that has stopped
         self._finished = True
         if self._colocated is not None:
             self._colocated.join(self.context.config.launch.timeout_s)
+
+    def _release_unstarted_servers(self) -> None:
+        """No step ran (a restart or ``--resume`` with no step left): the dedicated servers,
+        which start at the end of the first step, still wait in :meth:`_receive_spec`; every
+        worker takes part in sending them :data:`NO_STEP` instead (collective, once)."""
+        if not self.sparse_names or self.options.colocate or self._finished:
+            return  # no servers, or colocated ones, which start only with the first step
+        broadcast_json(NO_STEP)
+        self._finished = True
 
 
 __all__ = ["Hybrid", "classify", "describe_classification"]
