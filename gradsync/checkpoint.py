@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,7 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]
         >>> load_checkpoint(p).meta["model"]
         'm'
     """
-    meta = {**meta, "versions": versions()}
+    meta = {**meta, "versions": versions(), TENSOR_COUNTS: tensor_counts(tensors)}
     text = json.dumps(meta, indent=2, sort_keys=True)
     tensors = with_own_storage(tensors)
 
@@ -138,6 +139,23 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict[str, Any]
     with signals_deferred():  # a SIGTERM lands after both files, so they always agree
         atomic_write_bytes(path, write_tensors)
         atomic_write_text(sidecar_path(path), text + "\n")
+
+
+TENSOR_COUNTS = "tensor_counts"  # in a checkpoint's metadata: what --resume checks it holds
+
+
+def tensor_counts(names: Iterable[str]) -> dict[str, int]:
+    """How many tensors of each kind (``param/``, ``optim/``…) a checkpoint holds.
+
+    Example:
+        >>> tensor_counts(["param/a", "param/b", "optim/a/momentum_buffer", "step"])
+        {'optim/': 1, 'param/': 2, 'step': 1}
+    """
+    counts: dict[str, int] = {}
+    for name in names:
+        kind = name.split("/", 1)[0] + "/" if "/" in name else name
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def with_own_storage(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -173,6 +191,37 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise _corrupt(path, error) from None
     return Checkpoint(path=path, tensors=tensors, meta=meta)
+
+
+def tensor_layout(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor of a checkpoint: its shape and dtype, from the header (no data read).
+
+    Example:
+        >>> import tempfile
+        >>> p = Path(tempfile.mkdtemp()) / "ckpt.safetensors"
+        >>> save_checkpoint(p, {"param/w": torch.ones(2, 3)}, {"step": 1})
+        >>> tensor_layout(p)
+        {'param/w': ((2, 3), 'float32')}
+    """
+    path = _checkpoint_file(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {
+                name: (tuple(piece.get_shape()), _dtype_name(piece.get_dtype()))
+                for name in handle.keys()  # noqa: SIM118 (safe_open is not iterable)
+                for piece in [handle.get_slice(name)]
+            }
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise _corrupt(path, error) from None
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_SAFETENSORS_DTYPES |= {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8"}
+_SAFETENSORS_DTYPES |= {"U8": "uint8", "BOOL": "bool"}
+
+
+def _dtype_name(code: str) -> str:
+    return _SAFETENSORS_DTYPES.get(code, code)
 
 
 def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:

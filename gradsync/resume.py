@@ -31,9 +31,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.checkpoint import RNG, WORKER_BUFFER, Checkpoint, load_checkpoint_meta
+from gradsync.checkpoint import (
+    BUFFER,
+    OPTIM,
+    PARAM,
+    RNG,
+    TENSOR_COUNTS,
+    WORKER_BUFFER,
+    Checkpoint,
+    load_checkpoint_meta,
+    tensor_counts,
+    tensor_layout,
+)
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
+from gradsync.metrics import unsummarized
 from gradsync.optim import effective_lr
 from gradsync.options import flag_of
 from gradsync.strategies import Strategy, strategy_class
@@ -91,18 +103,91 @@ def check_resume(config: TrainConfig, run_dir: Path) -> int:
             "one); start it again with --checkpoint-every N"
         )
     meta = load_checkpoint_meta(run_dir / CHECKPOINT_FILE)
-    step = int(meta.get("step", 0))
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise UserError(
+            f"--resume {run_dir}: the checkpoint's step is {step!r}, not a count of steps "
+            "done; the file was not written by gradsync train (or was edited): start the run "
+            "again"
+        )
     for difference in meta_differences(meta, config):
         raise UserError(
             f"--resume {run_dir}: the run was started with {difference}; resume it with the "
             "same settings"
         )
-    if step >= config.steps:
+    if step > config.steps or (step == config.steps and not unsummarized(run_dir)):
         raise UserError(
             f"--resume {run_dir}: the checkpoint is at step {step}, and --steps is "
             f"{config.steps}; pass a larger --steps to train further"
         )
+    layout = tensor_layout(run_dir / CHECKPOINT_FILE)
+    if (counts := meta.get(TENSOR_COUNTS)) is not None and counts != tensor_counts(layout):
+        raise UserError(
+            f"--resume {run_dir}: the checkpoint holds {tensor_counts(layout)} tensors by kind, "
+            f"but was written with {counts}; it was edited or damaged: start the run again"
+        )
+    if problem := misfit(config, layout):
+        raise UserError(
+            f"--resume {run_dir}: the checkpoint does not fit the model: {problem}; the model "
+            "(or its file) changed since the run, or the checkpoint was edited: start again"
+        )
     return step
+
+
+def misfit(config: TrainConfig, layout: dict[str, tuple[tuple[int, ...], str]]) -> str | None:
+    """What in a checkpoint's tensors (names → shape and dtype) the run of ``config`` could
+    not resume from, or None: a parameter or buffer missing, extra, of another shape or
+    dtype; a worker's RNG state missing; optimizer state missing, whole or in part.
+
+    Example:
+        >>> from gradsync.checkpoint import model_state
+        >>> from gradsync.config import OptimConfig
+        >>> from gradsync.models import workload_of
+        >>> config = TrainConfig(model="mnist-cnn", preset="tiny", optim=OptimConfig(momentum=0))
+        >>> model = workload_of(config).model
+        >>> layout = {k: (tuple(v.shape), "float32") for k, v in model_state(model, None).items()}
+        >>> misfit(config, {**layout, "rng/worker0": ((5056,), "uint8")}) is None
+        True
+        >>> misfit(config, layout)
+        'no RNG state of worker 0 (rng/worker0)'
+    """
+    from gradsync.models import workload_of
+
+    model = workload_of(config).model
+    expected = {f"{PARAM}{n}": t for n, t in model.named_parameters()}
+    expected |= {f"{BUFFER}{n}": t for n, t in model.named_buffers()}
+    saved = {k: v for k, v in layout.items() if k.startswith((PARAM, BUFFER))}
+    if missing := sorted(expected.keys() - saved.keys()):
+        return f"no {missing[0]}"
+    if extra := sorted(saved.keys() - expected.keys()):
+        return f"{extra[0]}, which the model has not"
+    for name, tensor in expected.items():
+        shape, dtype = saved[name]
+        want = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        if (shape, dtype) != want:
+            return f"{name} is {list(shape)} {dtype}, the model's {list(want[0])} {want[1]}"
+    if missing_rng := [w for w in range(config.workers) if f"{RNG}worker{w}" not in layout]:
+        return f"no RNG state of worker {missing_rng[0]} ({RNG}worker{missing_rng[0]})"
+    return _optimizer_misfit(config, layout)
+
+
+def _optimizer_misfit(config: TrainConfig, layout: dict[str, Any]) -> str | None:
+    """Optimizer state gone: all of it where the optimizer keeps some (momentum, Adam), or
+    part of one parameter's (its keys unlike the other parameters')."""
+    keys_of: dict[str, set[str]] = {}
+    for key in layout:
+        if key.startswith(OPTIM):
+            name, _, kind = key.removeprefix(OPTIM).rpartition("/")
+            keys_of.setdefault(name, set()).add(kind)
+    keeps_state = config.optim.name == "adam" or (config.optim.momentum or 0) > 0
+    if keeps_state and not keys_of:
+        return "no optimizer state (optim/…), though the optimizer keeps some"
+    kinds = [frozenset(k) for k in keys_of.values()]
+    usual = max(set(kinds), key=kinds.count, default=frozenset())
+    for name, kind in keys_of.items():
+        if not usual <= kind:
+            return f"optimizer state of {name} lacks {', '.join(sorted(usual - kind))}"
+    return None
 
 
 def run_settings(config: TrainConfig, global_batch: int, lr: float) -> dict[str, Any]:
@@ -216,6 +301,8 @@ def worker_buffers(
     Example:
         >>> worker_buffers(torch.nn.BatchNorm1d(2), None, 1)  # one worker: nothing else
         {}
+        >>> _fingerprint(torch.tensor(3)) == _fingerprint(torch.tensor([3]))  # 0-dim too
+        True
     """
     if model is None or num_workers == 1 or not dist.is_initialized():
         return {}
@@ -237,7 +324,7 @@ def worker_buffers(
 
 
 def _fingerprint(tensor: torch.Tensor) -> int:
-    data = tensor.detach().cpu().contiguous()
+    data = tensor.detach().cpu().contiguous().reshape(-1)  # 0-dim: num_batches_tracked
     return zlib.crc32(data.view(torch.uint8).numpy().tobytes()) if data.numel() else 0
 
 

@@ -235,3 +235,17 @@ def test_bench_reruns_changed_cells_and_skips_a_truncated_line(workdir: Path) ->
     resumed = gradsync("bench", str(experiment), "--out", "out", cwd=workdir)
     assert resumed.returncode == 0 and "runs again" in resumed.stdout  # the cut record is gone
     assert len(json.loads(results.read_text().splitlines()[-1])["step_times_s"]) == 4
+
+
+def test_a_run_stopped_before_its_summary_is_finished_by_resume(workdir: Path) -> None:
+    """A rank killed after the final checkpoint but before summary.json: --resume with the
+    same --steps was refused ("pass a larger --steps"), so the run could never be summarized
+    (session 31's probe)."""
+    args = ["train", *TINY, "--workers", "2", "--steps", "4", "--checkpoint-every", "4"]
+    assert gradsync(*args, "--out", "run", cwd=workdir).returncode == 0
+    (workdir / "run" / "summary.json").unlink()
+    resumed = gradsync(*args, "--resume", "run", cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(json.loads((workdir / "run" / "summary.json").read_text())["loss"]) == 4
+    again = gradsync(*args, "--resume", "run", cwd=workdir, timeout=60)
+    assert again.returncode == 2 and "pass a larger --steps" in again.stderr
