@@ -319,8 +319,9 @@ def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
     """``profile`` with global BatchNorm's blocking collectives added to the compute.
 
     Each BatchNorm layer gathers its batch moments in forward (count, mean and M2 per
-    channel, in float64: an all_gather) and sums two per-channel gradient terms in the
-    model's dtype in backward (an allreduce, :mod:`gradsync.comm.batchnorm`). Both block
+    channel, and its call's two-element tag, in float64: an all_gather) and sums two
+    per-channel gradient terms with its tag and the tag's square in backward (a float64
+    allreduce, :mod:`gradsync.comm.batchnorm`). Both block
     the layer, so forward and backward grow by their ring times; layer starts and
     gradient-ready times stretch in proportion. On hosts that share cores, with
     :attr:`Network.sync_message_s` measured, each message costs what it costs between
@@ -334,9 +335,8 @@ def with_batchnorm_sync(profile: Profile, cluster: Cluster) -> Profile:
         return profile
     channels = profile.batchnorm_channels
     syncing = _syncing_cluster(cluster, profile.compute_s / (2 * len(channels)))
-    element = profile.variables[0].element_size
-    gather = sum(syncing.ring_allgather_s(3 * c * 8) for c in channels)
-    reduce = sum(syncing.ring_allreduce_s(2 * c * element) for c in channels)
+    gather = sum(syncing.ring_allgather_s((3 * c + 2) * 8) for c in channels)
+    reduce = sum(syncing.ring_allreduce_s((2 * c + 4) * 8) for c in channels)
     return _lengthen_backward(_lengthen_forward(profile, gather), reduce)
 
 

@@ -261,10 +261,11 @@ def test_global_batchnorm_adds_its_blocking_collectives_to_forward_and_backward(
     for n in (2, 4):
         cluster = Cluster(workers=n, network=Network(bandwidth=rate, latency=hop))
         synced = with_batchnorm_sync(profile, cluster)
-        # forward: an all_gather of (count, mean, M2) per channel in float64, as
-        # comm/batchnorm.py stacks them; backward: an allreduce of 2 sums per channel
-        gather = sum((n - 1) * (3 * c * 8 / rate + hop) for c in channels)
-        reduce = sum(ring(n, 2 * c * 4, rate, hop) for c in channels)
+        # forward: an all_gather of (count, mean, M2) per channel and a 2-element tag in
+        # float64, as comm/batchnorm.py stacks them; backward: a float64 allreduce of 2 sums
+        # per channel, the tag and its square
+        gather = sum((n - 1) * ((3 * c + 2) * 8 / rate + hop) for c in channels)
+        reduce = sum(ring(n, (2 * c + 4) * 8, rate, hop) for c in channels)
         assert synced.forward_s == pytest.approx(1.0 + gather)
         assert synced.backward_s == pytest.approx(2.0 + reduce)
         assert synced.variables[0].grad_ready_s == pytest.approx(2.0 + reduce)  # at the end

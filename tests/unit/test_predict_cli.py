@@ -251,11 +251,11 @@ def test_predict_models_global_batchnorm_unless_told_local(tmp_path: Path) -> No
         payload = json.loads((out / "predictions.json").read_text())
         assert payload["settings"]["batchnorm"] == mode
         steps[mode] = payload["points"][0]["step_s"]
-    # 20 layers × (an all_gather of 3 × 64 float64 moments in forward, an allreduce of
-    # 2 × 64 float32 sums in backward)
+    # 20 layers × (an all_gather of 3 × 64 float64 moments and a 2-element tag in forward,
+    # a float64 allreduce of 2 × 64 sums, the tag and its square in backward)
     hop, rate = 25e-6, 125e6
-    gather = 3 * (3 * 64 * 8 / rate + hop)
-    reduce = 2 * 3 / 4 * 128 * 4 / rate + 6 * hop
+    gather = 3 * ((3 * 64 + 2) * 8 / rate + hop)
+    reduce = 2 * 3 / 4 * (128 + 4) * 8 / rate + 6 * hop
     assert steps["global"] - steps["local"] == pytest.approx(20 * (gather + reduce), rel=1e-3)
 
 
