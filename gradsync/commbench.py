@@ -214,9 +214,10 @@ def run_rank(config: CommbenchConfig, env: RankEnv) -> None:
 
     threads = config.launch.threads or default_threads(env.local_world_size)
     torch.set_num_threads(threads)
-    join_process_group(env, timedelta(seconds=config.launch.timeout_s))  # CPU: Gloo
+    timeout = timedelta(seconds=config.launch.timeout_s)
+    join_process_group(env, timeout)  # CPU: Gloo
     try:
-        node = node_local_group(env.node_rank)
+        node = node_local_group(env.node_rank, timeout)
         placement = all_gather_json(
             {
                 "rank": env.rank,

@@ -108,7 +108,9 @@ def _train_and_record(
     # Server ranks (strategies that have them) come after the workers. new_group is
     # collective: every rank creates the worker group, even the servers.
     worker_group = (
-        dist.new_group(list(range(config.workers)))
+        dist.new_group(
+            list(range(config.workers)), timeout=timedelta(seconds=config.launch.timeout_s)
+        )
         if dist.is_initialized() and env.world_size > config.workers
         else None
     )

@@ -8,6 +8,7 @@ an all-gather of every rank's node index rather than derived from ``rank // loca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,10 @@ class NodeGroup:
     group: dist.ProcessGroup | None
 
 
-def node_local_group(node_rank: int) -> NodeGroup:
-    """Collective: every rank calls it with its node index; returns this rank's node group.
+def node_local_group(node_rank: int, timeout: timedelta | None = None) -> NodeGroup:
+    """Collective: every rank calls it with its node index; returns this rank's node group,
+    whose collectives give up after ``timeout`` (the job's ``--timeout``; torch's default,
+    30 minutes, when None).
 
     Every rank creates every node's group, in node order, as ``new_group`` requires.
 
@@ -37,7 +40,7 @@ def node_local_group(node_rank: int) -> NodeGroup:
     mine = NodeGroup(node_rank, (dist.get_rank(),), None)
     for node in sorted(set(nodes)):
         members = tuple(rank for rank, n in enumerate(nodes) if n == node)
-        group = dist.new_group(list(members))
+        group = dist.new_group(list(members), timeout=timeout)
         if node == node_rank:
             mine = NodeGroup(node, members, group)
     return mine

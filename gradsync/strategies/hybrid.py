@@ -322,7 +322,8 @@ class Hybrid(ServerStrategy):
             if n >= 0:
                 workers_by_node.setdefault(n, []).append(rank)
         if self.options.local_aggregation:
-            self.node = node_local_group(node if is_worker else -1 - context.rank)
+            timeout = timedelta(seconds=context.config.launch.timeout_s)
+            self.node = node_local_group(node if is_worker else -1 - context.rank, timeout)
             self.pushers = sorted(ranks[0] for ranks in workers_by_node.values())
         else:
             self.node = None

@@ -60,3 +60,16 @@ def test_server_strategies_create_their_lanes_with_the_runs_timeout(
     with pytest.raises(_Created) as created:
         strategy_class(strategy)().serve(_server_context(strategy))
     assert created.value.options.get("timeout") == timedelta(seconds=TIMEOUT_S)
+
+
+def test_node_local_groups_take_the_runs_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hybrid's local aggregation and commbench made their node groups with torch's default
+    (30 minutes) whatever --timeout said (session 31)."""
+    from gradsync.comm.groups import node_local_group
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist, "all_gather", lambda out, tensor: out[0].copy_(tensor))
+    monkeypatch.setattr(dist, "new_group", _fake_new_group)
+    with pytest.raises(_Created) as created:
+        node_local_group(0, timedelta(seconds=TIMEOUT_S))
+    assert created.value.options["timeout"] == timedelta(seconds=TIMEOUT_S)
