@@ -68,6 +68,7 @@ def test_node_local_groups_take_the_runs_timeout(monkeypatch: pytest.MonkeyPatch
     from gradsync.comm.groups import node_local_group
 
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "all_gather", lambda out, tensor: out[0].copy_(tensor))
     monkeypatch.setattr(dist, "new_group", _fake_new_group)
     with pytest.raises(_Created) as created:
