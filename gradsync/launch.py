@@ -373,7 +373,10 @@ def _watch(ranks: list[RankProcess], *, hang_timeout_s: float, poll_s: float = 0
         failed = [r for r in ranks if r.popen.returncode not in (None, 0)]
         if failed and _cause_is_known(failed, now):
             first = min(failed, key=_blame_order)
+            frozen = _stopped_rank(ranks)  # the others timed out waiting for it
             _terminate(ranks)
+            if frozen is not None:
+                raise _stopped_failure(frozen, first)
             raise _failure(first, victims=[r for r in failed if r is not first])
         if all(r.popen.returncode == 0 for r in ranks):
             return
@@ -424,6 +427,23 @@ def _silent_rank(ranks: list[RankProcess], hang_timeout_s: float, now: float) ->
             r.last_beat.step,
             r.last_beat.at,
         ),
+    )
+
+
+def _stopped_rank(ranks: list[RankProcess]) -> RankProcess | None:
+    """A rank still running whose process is stopped (SIGSTOP, a debugger), or None."""
+    running = [r for r in ranks if r.popen.poll() is None]
+    return next((r for r in running if _process_state(r.popen.pid) in ("T", "t")), None)
+
+
+def _stopped_failure(frozen: RankProcess, first: RankProcess) -> JobFailed:
+    """A rank failed while another was stopped: the stopped one is the cause, the failed
+    one (a collective that timed out waiting for it) its victim."""
+    cause = f"rank {frozen.rank} ({frozen.role}, pid {frozen.popen.pid}) is stopped (SIGSTOP?)"
+    return JobFailed(
+        f"{cause}, last seen in {frozen.last_beat.describe()}; rank {first.rank} "
+        f"{first.describe_exit()} waiting for it (--timeout); the job was torn down",
+        cause=cause,
     )
 
 

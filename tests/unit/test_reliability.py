@@ -712,3 +712,26 @@ def test_a_victim_ranks_line_is_kept_but_not_echoed(capsys: pytest.CaptureFixtur
     process.reader.join(timeout=30)
     assert capsys.readouterr().err == "[rank 1] [some log line]\n"
     assert list(process.tail)[-1] == f"{VICTIM_PREFIX}Connection closed by peer"
+
+
+def test_a_stopped_rank_is_named_when_a_peer_times_out_waiting_for_it() -> None:
+    """--timeout below --hang-timeout: rank 0's collective timed out and rank 0 was named,
+    though rank 1 was the one stopped (session 31's probe)."""
+    from gradsync.errors import JobFailed
+    from gradsync.launch import RankProcess, _watch
+
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1); exit(1)"])
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        ranks = [RankProcess(rank=0, popen=failing), RankProcess(rank=1, popen=frozen)]
+        with pytest.raises(JobFailed) as failed:
+            _watch(ranks, hang_timeout_s=600)
+        assert str(failed.value).startswith(f"rank 1 (worker, pid {frozen.pid}) is stopped")
+        assert "rank 0 exited with code 1 waiting for it" in str(failed.value)
+    finally:
+        for process in (frozen, failing):
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.kill()
+            process.wait()
