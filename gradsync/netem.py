@@ -45,6 +45,7 @@ from types import FrameType
 from typing import Any
 
 from gradsync.errors import UserError
+from gradsync.signals import signals_deferred
 
 PREFIX = "gs"
 STATE_DIR = Path("/run/gradsync/netem")
@@ -277,6 +278,20 @@ def tbf_arguments(bits_per_s: int) -> list[str]:
     return [SHAPING_QDISC, "rate", rate, "burst", str(burst), "latency", queue]
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C ignored inside the block (in the main thread; elsewhere signals cannot be
+    set, and arrive in the main thread anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class EmulatedHosts:
     """Context manager owning one run's namespaces, links and qdiscs.
 
@@ -338,22 +353,21 @@ class EmulatedHosts:
         self.close()
 
     def close(self) -> None:
-        """Delete every namespace of this run (their links and qdiscs go with them)."""
-        failures = []
-        for namespace in reversed(self._created):
-            failure = _delete_namespace(namespace)
-            if failure:
-                failures.append(failure)
-        self._created.clear()
-        if self.names is not None and not failures:
-            (self.state_dir / f"{self.names.run_id}.json").unlink(missing_ok=True)
-        if failures:
-            print(
-                f"gradsync: warning: could not delete {'; '.join(failures)}; "
-                "run gradsync netem cleanup",
-                file=sys.stderr,
-            )
-        self._restore_sigterm()
+        """Delete every namespace of this run (their links and qdiscs go with them); a
+        signal that arrives meanwhile waits until the last is gone (a second Ctrl-C or
+        SIGTERM of an impatient user left namespaces behind)."""
+        with signals_deferred(), _sigint_ignored():
+            failures = [f for n in reversed(self._created) if (f := _delete_namespace(n))]
+            self._created.clear()
+            if self.names is not None and not failures:
+                (self.state_dir / f"{self.names.run_id}.json").unlink(missing_ok=True)
+            if failures:
+                print(
+                    f"gradsync: warning: could not delete {'; '.join(failures)}; "
+                    "run gradsync netem cleanup",
+                    file=sys.stderr,
+                )
+            self._restore_sigterm()
 
     def _allocate(self) -> Names:
         self.state_dir.mkdir(parents=True, exist_ok=True)

@@ -205,3 +205,34 @@ def test_a_rate_beyond_what_tbf_shapes_is_refused_before_anything_starts() -> No
     with pytest.raises(UserError, match="above 1tbit"):
         LaunchConfig(hosts=2, bandwidth="10tbit")
     assert LaunchConfig(hosts=2, bandwidth="1tbit").bandwidth == "1tbit"
+
+
+def test_a_signal_during_close_waits_until_every_namespace_is_gone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A second SIGTERM (or Ctrl-C) while the namespaces were deleted left the rest behind
+    (session 31's probe): now it is held until the last is gone."""
+    import signal
+
+    from gradsync.signals import Stopped, stop_on_signals
+
+    deleted: list[str] = []
+
+    def delete(namespace: str) -> None:
+        if not deleted:  # the impatient user, during the first deletion
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+        deleted.append(namespace)
+
+    monkeypatch.setattr(netem, "_delete_namespace", delete)
+    hosts = netem.EmulatedHosts(2, None)
+    hosts._created = ["gs1-h0", "gs1-h1", "gs1-br"]
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    stop_on_signals()
+    try:
+        with pytest.raises(Stopped):
+            hosts.close()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert deleted == ["gs1-br", "gs1-h1", "gs1-h0"]
