@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from gradsync.probe import (
 from gradsync.progress import StepProgress
 from gradsync.rendezvous import RankInfo, finish_process, join_process_group
 from gradsync.resume import checkpoint_step, restore, rng_tensors, run_settings, worker_buffers
-from gradsync.signals import Stopped, stop_on_signals
+from gradsync.signals import HANDLED, Stopped, stop_on_signals
 from gradsync.strategies import Context, Strategy, strategy_class
 from gradsync.topology import RankEnv, default_threads
 from gradsync.trace import Timeline, merge_rank_files, open_timeline
@@ -422,10 +423,28 @@ def _gpu_id(device: torch.device) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of one rank started by gradsync's launcher."""
+    """Entry point of one rank started by gradsync's launcher; its exit code. A signal that
+    lands while the rank reports another error (the launcher's teardown SIGTERM after a
+    Ctrl-C) ends it with the signal's code, never a traceback."""
+    stop_on_signals()  # SIGTERM/SIGHUP: finally blocks run, temp files go, exit 128 + signal
+    try:
+        return _run(argv)
+    except Stopped as stop:
+        return stop.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit with ``code``; signals that come now change nothing (the rank is done)."""
+    for signum in (*HANDLED, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    sys.exit(finish_process(code))
+
+
+def _run(argv: list[str]) -> int:
     from gradsync.topology import detect_environment
 
-    stop_on_signals()  # SIGTERM/SIGHUP: finally blocks run, temp files go, exit 128 + signal
     text = Path(argv[0]).read_text()
     try:
         env = detect_environment()
@@ -460,6 +479,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(finish_process(main(sys.argv[1:])))
+    _exit(main(sys.argv[1:]))
 
 __all__ = ["CHECKPOINT_FILE", "run_rank"]

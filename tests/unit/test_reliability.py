@@ -735,3 +735,23 @@ def test_a_stopped_rank_is_named_when_a_peer_times_out_waiting_for_it() -> None:
                 process.send_signal(signal.SIGCONT)
                 process.kill()
             process.wait()
+
+
+def test_a_signal_while_a_rank_reports_its_error_ends_it_quietly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C, then the launcher's teardown SIGTERM inside the rank's except block: a
+    traceback ("gradsync.signals.Stopped: SIGTERM") and an abort (session 31's probe)."""
+    from gradsync import runtime
+    from gradsync.signals import Stopped
+
+    def interrupted_then_stopped(argv: list[str]) -> int:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise Stopped(signal.SIGTERM) from None  # as the handler raises it
+
+    monkeypatch.setattr(runtime, "_run", interrupted_then_stopped)
+    monkeypatch.setattr(runtime, "stop_on_signals", lambda: None)
+    assert runtime.main(["unused"]) == 143
+    assert "Traceback" not in capsys.readouterr().err
