@@ -192,6 +192,35 @@ def tied_names(model: nn.Module) -> set[str]:
     return {names[0] for names in names_of.values() if len(names) > 1}
 
 
+def read_whole_elsewhere(model: nn.Module) -> set[str]:
+    """Of the sparse lookup tables' weights, those a layer other than a sparse lookup also
+    registers (a tied output layer reads the whole table, so its gradient is dense); a
+    table shared only by sparse lookups (tied source and target embeddings) is not.
+
+    Example:
+        >>> src, tgt = nn.Embedding(5, 3, sparse=True), nn.Embedding(5, 3, sparse=True)
+        >>> out = nn.Linear(3, 5, bias=False)
+        >>> tgt.weight = src.weight
+        >>> read_whole_elsewhere(nn.ModuleDict({"src": src, "tgt": tgt}))
+        set()
+        >>> out.weight = src.weight
+        >>> read_whole_elsewhere(nn.ModuleDict({"src": src, "tgt": tgt, "out": out}))
+        {'src.weight'}
+    """
+    readers: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            readers.setdefault(id(param), []).append(module)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        names[key]
+        for key, modules in readers.items()
+        if key in names
+        and names[key] in sparse_lookup_weights(model)
+        and not all(isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse for m in modules)
+    }
+
+
 def sparse_lookup_weights(model: nn.Module) -> set[str]:
     """Names of the lookup-table weights with sparse gradients (``sparse=True``).
 

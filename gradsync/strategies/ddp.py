@@ -21,8 +21,8 @@ from gradsync.probe import (
     ProbeUnavailable,
     UnknownGradients,
     params_without_gradient,
+    read_whole_elsewhere,
     sparse_lookup_weights,
-    tied_names,
 )
 from gradsync.strategies.base import Context, Strategy
 
@@ -68,7 +68,7 @@ class NativeDDP(Strategy):
     @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         """Refuse, before launch, a sparse-gradient parameter that torch's DDP reducer cannot
-        reduce: one tied to a layer that reads it whole (its gradient is dense: "Expected
+        reduce: one tied to a layer other than a sparse lookup (its gradient is dense: "Expected
         variable to have sparse gradient"), or one some worker leaves without a gradient in
         step 0 ("Expected sparse gradient to be defined")."""
         if config.workers == 1:
@@ -79,11 +79,12 @@ class NativeDDP(Strategy):
         sparse = sparse_lookup_weights(workload.model)
         if not sparse:
             return
-        if tied := sorted(sparse & tied_names(workload.model)):
+        if tied := sorted(read_whole_elsewhere(workload.model)):
             raise UserError(
                 f"ddp: {', '.join(tied)} is an nn.Embedding(sparse=True) weight tied to a layer "
-                "that reads it whole, so its gradient is dense and torch's DDP expects a sparse "
-                "one; use --strategy allreduce or hybrid, or build the embedding with sparse=False"
+                "other than a sparse lookup (one that reads it whole, or a lookup with "
+                "sparse=False), so its gradient is dense and torch's DDP expects a sparse one; "
+                "use --strategy allreduce or hybrid, or build the embedding with sparse=False"
             )
         global_batch = config.global_batch or workload.global_batch
         missing: set[str] = set()

@@ -849,3 +849,44 @@ def test_a_table_scaled_by_row_counts_is_an_expected_difference(tmp_path: Path) 
     assert verdict == "differs (expected)"
     assert reason.startswith("lookup table 0.weight has scale_grad_by_freq")
     assert verdict_for(config.replace(workers=1), 5e-4, 1e-9)[0] == "FAIL"
+
+
+SHARED_SPARSE_MODEL = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Shared(nn.Module):
+    def __init__(self, tied_output: bool):
+        super().__init__()
+        self.src = nn.Embedding(9, 4, sparse=True)
+        self.tgt = nn.Embedding(9, 4, sparse=True)
+        self.tgt.weight = self.src.weight
+        self.out = nn.Linear(4, 9, bias=False)
+        if tied_output:
+            self.out.weight = self.src.weight
+
+    def forward(self, x):
+        return self.out(self.src(x[:, 0]) + self.tgt(x[:, 1]))
+
+
+def build(seed: int = 0, tied_output: str = "no"):
+    data = TensorDataset(torch.randint(0, 9, (8, 2)), torch.randint(0, 9, (8,)))
+    return Shared(tied_output == "yes"), data, nn.functional.cross_entropy
+"""
+
+
+def test_ddp_trains_a_sparse_table_shared_by_sparse_lookups_only(tmp_path: Path) -> None:
+    """Tied source and target embeddings were refused as "tied to a layer that reads it
+    whole" (session 31's probe); ddp matches single on them. A tied output layer, which
+    makes the gradient dense, is still refused."""
+    from gradsync.config import TrainConfig
+    from gradsync.errors import UserError
+    from gradsync.strategies.ddp import NativeDDP
+
+    name = f"{_write(tmp_path, 'shared.py', SHARED_SPARSE_MODEL)}:build"
+    NativeDDP.check_config(TrainConfig(model=name, strategy="ddp", workers=2))
+    tied = TrainConfig(model=name, strategy="ddp", workers=2, model_options={"tied_output": "yes"})
+    with pytest.raises(UserError, match="src.weight is an nn.Embedding.sparse=True. weight tied"):
+        NativeDDP.check_config(tied)
