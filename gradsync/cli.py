@@ -100,6 +100,25 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+def add_model_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--model``, ``--preset`` and ``--model-option``: which model a command builds
+    (``train``, ``verify``, ``demo``, ``profile``)."""
+    group.add_argument(
+        "--model",
+        default="transformer",
+        help="registered model, FILE.py:FUNCTION or package.module:FUNCTION (default transformer)",
+    )
+    group.add_argument("--preset", default="default", help="tiny | default | paper")
+    group.add_argument(
+        "--model-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="model option, e.g. sparse=true (repeatable)",
+    )
+
+
 def _add_model_options(
     parser: argparse.ArgumentParser, *, default_steps: int, precision: bool = False
 ) -> None:
@@ -119,20 +138,7 @@ def _add_model_options(
             default="float32",
             help="parameters, data, gradients, communication and optimizer state",
         )
-    group.add_argument(
-        "--model",
-        default="transformer",
-        help="registered model, FILE.py:FUNCTION or package.module:FUNCTION",
-    )
-    group.add_argument("--preset", default="default", help="tiny | default | paper")
-    group.add_argument(
-        "--model-option",
-        action="append",
-        type=_key_value,
-        default=[],
-        metavar="KEY=VALUE",
-        help="model option, e.g. sparse=true (repeatable)",
-    )
+    add_model_flags(group)
     group.add_argument("--data", help="real data file or folder (default: synthetic data)")
     group.add_argument(
         "--steps",

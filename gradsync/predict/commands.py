@@ -60,7 +60,7 @@ def _default(key: str, note: str = "") -> str:
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Add ``gradsync profile`` and ``gradsync predict`` to the subcommands."""
-    from gradsync.cli import _key_value, _path
+    from gradsync.cli import _path, add_model_flags
     from gradsync.cli import _positive_int as _positive
 
     profile = commands.add_parser(
@@ -70,20 +70,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "per-layer forward starts, per-variable gradient-ready times and bytes, and per-byte "
         "costs of copies, server aggregation and apply (medians after warm-up).",
     )
-    profile.add_argument(
-        "--model",
-        default="transformer",
-        help="registered model, FILE.py:FUNCTION or package.module:FUNCTION (default transformer)",
-    )
-    profile.add_argument("--preset", default="default", help="tiny | default | paper")
-    profile.add_argument(
-        "--model-option",
-        action="append",
-        type=_key_value,
-        default=[],
-        metavar="KEY=VALUE",
-        help="model option, e.g. sparse=true (repeatable)",
-    )
+    add_model_flags(profile)
     profile.add_argument(
         "--batch",
         type=_positive,
