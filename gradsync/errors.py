@@ -18,13 +18,18 @@ class JobFailed(Exception):
     """A distributed job ended badly (a rank died, hung or exited non-zero).
 
     ``cause`` is one line naming the rank that caused it (``rank 1 (worker, pid 7) was
-    killed by SIGKILL``), for reports that show one line per failed job.
+    killed by SIGKILL``), for reports that show one line per failed job. ``final``: a rank
+    ended the run itself (a loss that is not finite), which a restart from the last
+    checkpoint would only reach again.
     """
 
-    def __init__(self, message: str, exit_code: int = 1, *, cause: str | None = None) -> None:
+    def __init__(
+        self, message: str, exit_code: int = 1, *, cause: str | None = None, final: bool = False
+    ) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.cause = cause
+        self.final = final
 
 
 def one_line(error: Exception) -> str:

@@ -288,7 +288,7 @@ def run_job(
             # Node 0's rank 0 writes the summary; another node's --out may not be shared.
             return load_summary(out) if config.launch.node_rank == 0 else {}
         except JobFailed as failure:
-            if restarts >= config.launch.max_restarts:
+            if restarts >= config.launch.max_restarts or failure.final:
                 raise
             restarts += 1
             config = _restart_config(config, failure, restarts)

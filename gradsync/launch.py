@@ -485,7 +485,7 @@ def _failure(rank: RankProcess, victims: list[RankProcess] | None = None) -> Exc
     cause = f"rank {rank.rank} ({rank.role}, pid {rank.popen.pid}) {rank.describe_exit()}"
     stopped = [line for line in rank.tail if line.startswith(STOPPED_PREFIX)]
     if stopped:  # the rank said why in one line (e.g. a loss that is not finite)
-        return JobFailed(stopped[-1].removeprefix(STOPPED_PREFIX), cause=cause)
+        return JobFailed(stopped[-1].removeprefix(STOPPED_PREFIX), cause=cause, final=True)
     lost = [r.rank for r in victims or [] if r.lost_connection()]
     aftermath = (
         f" (rank(s) {', '.join(map(str, lost))} then lost their connection to it)" if lost else ""

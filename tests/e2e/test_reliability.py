@@ -210,11 +210,14 @@ def test_a_local_job_listens_on_loopback_only(workdir: Path) -> None:
 
 
 def test_a_loss_that_becomes_nan_stops_the_job_at_that_step(workdir: Path) -> None:
+    """Not restarted either: --max-restarts relaunched it from a checkpoint that reaches the
+    same NaN (session 31's probe)."""
     args = _faulty("--workers", "2", "--model-option", "nan_at=6", "--out", "run")
-    result = gradsync(*args, cwd=workdir)
+    result = gradsync(*args, "--max-restarts", "2", "--checkpoint-every", "2", cwd=workdir)
     assert result.returncode == 1
     assert "loss is nan at step 5" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr.split("gradsync: job failed:")[-1]
+    assert "restart 1 of 2" not in result.stderr
 
 
 def test_bench_reruns_changed_cells_and_skips_a_truncated_line(workdir: Path) -> None:
