@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from gradsync import __version__
 from gradsync.config import BATCHNORM_MODES, TrainConfig
-from gradsync.errors import JobFailed, UserError
+from gradsync.errors import JobFailed, UserError, say
 from gradsync.options import add_option_flags
 
 if TYPE_CHECKING:
@@ -914,10 +914,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()  # imports torch, and the GRADSYNC_STRATEGIES plugins: seconds
     except UserError as error:
-        print(f"gradsync: error: {error}", file=sys.stderr)
+        say(f"gradsync: error: {error}")
         return EXIT_USER_ERROR
     except Stopped as stop:
-        print(f"gradsync: stopped by {stop.name} before anything started", file=sys.stderr)
+        say(f"gradsync: stopped by {stop.name} before anything started")
         return stop.exit_code
     args = parser.parse_args(argv)
     from gradsync.rendezvous import finish_process
@@ -932,16 +932,16 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except UserError as error:
-        print(f"gradsync: error: {error}", file=sys.stderr)
+        say(f"gradsync: error: {error}")
         return EXIT_USER_ERROR
     except JobFailed as failure:
-        print(f"gradsync: job failed: {failure}", file=sys.stderr)
+        say(f"gradsync: job failed: {failure}")
         return failure.exit_code
     except KeyboardInterrupt:
-        print("gradsync: interrupted", file=sys.stderr)
+        say("gradsync: interrupted")
         return 130
     except Stopped as stop:
-        print(f"gradsync: stopped by {stop.name}; every rank was stopped", file=sys.stderr)
+        say(f"gradsync: stopped by {stop.name}; every rank was stopped")
         return stop.exit_code
     except Exception:  # a bug: its traceback, exit 1 (and a rank still exits at once)
         traceback.print_exc()

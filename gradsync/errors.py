@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class UserError(Exception):
     """Bad input from the user: one line saying what, why and how to fix it.
@@ -49,3 +51,14 @@ def one_line(error: Exception) -> str:
     if cause and not line.startswith(cause):
         line = f"{cause}: {line}" if cause not in line else line
     return line[:240]
+
+
+def say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of one job (under torchrun, say) share a
+    terminal, and a message and its newline written apart ran two ranks' lines together.
+
+    Example:
+        >>> say("gradsync: error: an example")  # doctest: +SKIP
+    """
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -26,7 +26,7 @@ from gradsync.comm.batchnorm import convert_batchnorm, has_batchnorm
 from gradsync.comm.wire import TransportError
 from gradsync.config import TrainConfig
 from gradsync.data.base import mix_seed, shard_bounds
-from gradsync.errors import UserError
+from gradsync.errors import UserError, say
 from gradsync.evaluate import validation_accuracy
 from gradsync.files import atomic_write_text
 from gradsync.heartbeat import beat, beating
@@ -457,10 +457,10 @@ def _run(argv: list[str]) -> int:
         else:
             run_rank(TrainConfig.from_json(text), env)
     except UserError as error:
-        print(f"gradsync: error: {error}", file=sys.stderr, flush=True)
+        say(f"gradsync: error: {error}")
         return 2
     except LossNotFinite as error:
-        print(f"{STOPPED_PREFIX}{error}", file=sys.stderr, flush=True)
+        say(f"{STOPPED_PREFIX}{error}")
         return 1
     except Stopped as stop:
         return stop.exit_code  # the launcher (or the batch system) stopped this rank
@@ -470,7 +470,7 @@ def _run(argv: list[str]) -> int:
         if isinstance(error, TransportError | RuntimeError) and is_lost_connection(str(error)):
             # A peer stopped first and says why itself: this rank's part is one line (the
             # server transport's error, or Gloo's in a collective).
-            print(f"{VICTIM_PREFIX}{error}", file=sys.stderr, flush=True)
+            say(f"{VICTIM_PREFIX}{error}")
             return 1
         traceback.print_exc()
         sys.stderr.flush()
