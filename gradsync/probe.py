@@ -212,11 +212,11 @@ def read_whole_elsewhere(model: nn.Module) -> set[str]:
         for param in module.parameters(recurse=False):
             readers.setdefault(id(param), []).append(module)
     names = {id(p): n for n, p in model.named_parameters()}
+    sparse = sparse_lookup_weights(model)
     return {
         names[key]
         for key, modules in readers.items()
-        if key in names
-        and names[key] in sparse_lookup_weights(model)
+        if names.get(key) in sparse
         and not all(isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse for m in modules)
     }
 
