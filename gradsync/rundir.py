@@ -127,10 +127,7 @@ def remove_stale_temps(folder: Path) -> list[str]:
         if not is_stale_temp(item):
             continue
         with contextlib.suppress(OSError):  # gone already, or not ours to remove: leave it
-            if item.is_dir() and not item.is_symlink():
-                shutil.rmtree(item)
-            else:
-                item.unlink()
+            _remove_entry(item)
             removed.append(item.name)
     return removed
 
@@ -215,10 +212,16 @@ def claim_run_dir(
                 f"{'it' if len(foreign) == 1 else 'them'} out first, or pick another {flag}"
             )
         for item in path.iterdir():
-            if item.is_dir() and not item.is_symlink():
-                shutil.rmtree(item)
-            elif not _other_node(item.name):
-                item.unlink()  # a link itself, never what it points to
+            if (item.is_dir() and not item.is_symlink()) or not _other_node(item.name):
+                _remove_entry(item)
+
+
+def _remove_entry(item: Path) -> None:
+    """Remove a folder with what it holds, or a file; a link itself, never what it points to."""
+    if item.is_dir() and not item.is_symlink():
+        shutil.rmtree(item)
+    else:
+        item.unlink()
 
 
 _held: dict[Path, int] = {}  # the folders this process locked: open until it exits
