@@ -69,12 +69,30 @@ class Updater:
         )
         self._direct_step = direct_step_of(self.optimizer)
 
+    def wrap(self, wrapper: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]) -> None:
+        """Replace the optimizer with ``wrapper(optimizer)`` (Horovod's DistributedOptimizer)
+        before the first update, the warm-up schedule moved onto it.
+
+        Example:
+            >>> model = nn.Linear(2, 1)
+            >>> updater = Updater(model.parameters(), OptimConfig(lr=0.1), lr=0.1)
+            >>> updater.wrap(lambda optimizer: torch.optim.SGD(optimizer.param_groups))
+            >>> updater.schedule.optimizer is updater.optimizer
+            True
+        """
+        lr_lambda = self.schedule.lr_lambdas[0]
+        self.optimizer = wrapper(self.optimizer)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+        self._direct_step = direct_step_of(self.optimizer)
+
     def update(self) -> None:
         with self.timeline.span(COMPUTE, Phase.OPTIMIZER_STEP):
             dense_momentum_for_sparse_grads(self.optimizer)
             self.optimizer.step()
             self.schedule.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            # set_to_none, torch's default since 2.0; Horovod's DistributedOptimizer takes
+            # no argument here
+            self.optimizer.zero_grad()
 
     def update_at(self, step: int) -> None:
         """Update with the learning rate the schedule gives ``step``, then zero the grads.

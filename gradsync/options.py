@@ -288,7 +288,8 @@ def add_option_flags(
     for name, (cls, item), users in _option_index(owners):
         base, _ = kind_of(cls, item)
         meta = item.metadata
-        help_text = f"{meta['help']} [{', '.join(users)}; default {_default_text(item)}]"
+        defaults = _defaults_text(owners, users, name)
+        help_text = f"{meta['help']} [{', '.join(users)}; default {defaults}]"
         kwargs: dict[str, Any] = dict(dest=FLAG_PREFIX + name, default=None, help=help_text)
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -313,6 +314,15 @@ def _option_index(
             first.setdefault(item.name, (cls, item))
             users.setdefault(item.name, []).append(strategy)
     return [(name, first[name], users[name]) for name in first]
+
+
+def _defaults_text(owners: Mapping[str, type[StrategyOptions]], users: list[str], name: str) -> str:
+    """The default of option ``name``; where its strategies differ, each one's after the first's
+    (``4; horovod: 128``)."""
+    texts = {user: _default_text(_field(owners[user], name)) for user in users}
+    first = texts[users[0]]
+    others = [f"{user}: {text}" for user, text in texts.items() if text != first]
+    return "; ".join([first, *others])
 
 
 def _default_text(item: dataclasses.Field[Any]) -> str:

@@ -2,6 +2,8 @@
 
 A strategy from outside the package registers itself with :func:`register`; list its module
 in ``GRADSYNC_STRATEGIES`` (comma-separated module names) so that every rank imports it.
+``horovod`` (real Horovod) is registered only where ``horovod.torch`` imports;
+:data:`UNAVAILABLE` says why it is not elsewhere.
 
 Example:
     >>> sorted(STRATEGIES)
@@ -20,6 +22,7 @@ import re
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.options import StrategyOptions
+from gradsync.strategies import horovod
 from gradsync.strategies.allreduce import HorovodAllreduce
 from gradsync.strategies.base import Context, Strategy
 from gradsync.strategies.ddp import NativeDDP
@@ -39,6 +42,11 @@ STRATEGIES: dict[str, type[Strategy]] = {
         PriorityPropagation,
     )
 }
+UNAVAILABLE: dict[str, str] = {}  # a built-in strategy that cannot run here → why
+if (_no_horovod := horovod.unavailable()) is None:
+    STRATEGIES[horovod.RealHorovod.name] = horovod.RealHorovod
+else:
+    UNAVAILABLE[horovod.RealHorovod.name] = _no_horovod
 PLUGINS_VARIABLE = "GRADSYNC_STRATEGIES"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # what --strategy and verify's specs parse
 
@@ -136,6 +144,8 @@ def strategy_class(name: str) -> type[Strategy]:
     """The registered strategy called ``name``, or a UserError listing the choices."""
     if name not in STRATEGIES:
         load_plugins()
+    if name not in STRATEGIES and name in UNAVAILABLE:
+        raise UserError(UNAVAILABLE[name])
     if name not in STRATEGIES:
         raise UserError(f"unknown strategy '{name}'; choose one of: {', '.join(STRATEGIES)}")
     check_strategy_class(STRATEGIES[name])  # one put in STRATEGIES without register

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -21,6 +22,23 @@ from gradsync.config import TrainConfig
 from gradsync.options import InvalidOption, StrategyOptions, option
 from gradsync.probe import sparse_lookup_weights
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
+
+FP16_ROUNDING = "fp16 compression rounds every gradient to half precision"
+
+
+def fp16_compression_option() -> Any:
+    """The ``fp16_compression`` option, as ``allreduce``, ``hybrid`` and ``horovod`` take it."""
+    return option(False, help="allreduce gradients as float16", changes_results=True)
+
+
+def sparse_as_dense_option() -> Any:
+    """The ``sparse_as_dense`` option, as ``allreduce`` and ``horovod`` take it."""
+    return option(
+        False,
+        help="densify sparse gradients into the fusion buffers (Horovod's sparse_as_dense) "
+        "instead of allgathering the rows each worker touched",
+        changes_results=True,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,9 +61,7 @@ class FusionOptions(StrategyOptions):
         metavar="MB",
         at_least=0,
     )
-    fp16_compression: bool = option(
-        False, help="allreduce gradients as float16", changes_results=True
-    )
+    fp16_compression: bool = fp16_compression_option()
 
     def check(self, workers: int) -> None:
         if self.fusion_threshold_mb == 0 and "first_bucket_mb" in self.changed():
@@ -58,7 +74,7 @@ class FusionOptions(StrategyOptions):
     def rounding(self) -> str | None:
         """Why the result may differ from ``single``'s beyond reduction order, or None."""
         if self.fp16_compression:
-            return "fp16 compression rounds every gradient to half precision"
+            return FP16_ROUNDING
         return None
 
     @property
@@ -93,12 +109,7 @@ class FusionOptions(StrategyOptions):
 class AllreduceOptions(FusionOptions):
     """``allreduce``'s options: the fusion buffer's, and how sparse gradients travel."""
 
-    sparse_as_dense: bool = option(
-        False,
-        help="densify sparse gradients into the fusion buffers (Horovod's sparse_as_dense) "
-        "instead of allgathering the rows each worker touched",
-        changes_results=True,
-    )
+    sparse_as_dense: bool = sparse_as_dense_option()
 
 
 class HorovodAllreduce(Strategy):
