@@ -34,6 +34,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -434,10 +435,14 @@ class EmulatedHosts:
                 f"{prefix}{names.address(h)} {names.host_namespace(h)}"
                 for prefix in ("", "::ffff:")
             ]
+        # The machine's own name resolves to the host's address, as on a real host: a
+        # library that binds to the address of gethostname() (Horovod's Gloo process sets)
+        # gets the emulated link, not a loopback another namespace cannot reach.
         for host in range(self.num_hosts):
             folder = NETNS_ETC / names.host_namespace(host)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "hosts").write_text("\n".join(lines) + "\n")
+            own = [f"{names.address(host)} {socket.gethostname()}"]
+            (folder / "hosts").write_text("\n".join(lines + own) + "\n")
 
     def _catch_sigterm(self) -> None:
         # SIGTERM to the launcher unwinds like Ctrl-C, so the namespaces are deleted. A

@@ -248,3 +248,16 @@ def test_refuses_without_the_qdisc(workdir: Path, monkeypatch, capsys, unchanged
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and "'gsnosuchqdisc' qdisc" in err, err
+
+
+def test_each_host_resolves_the_machines_name_to_its_own_address(
+    tmp_path: Path, unchanged_network
+) -> None:
+    """As on a real host, where a library binds to the address of gethostname() (Horovod's
+    Gloo process sets did, and aborted: the name resolved to a loopback address)."""
+    lookup = "import socket; print(socket.gethostbyname(socket.gethostname()))"
+    with netem.EmulatedHosts(2, None, state_dir=tmp_path) as hosts:
+        for host in range(2):
+            argv = hosts.exec_argv(host, [sys.executable, "-c", lookup])
+            found = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            assert found.strip() == hosts.address(host)
