@@ -32,7 +32,7 @@ from gradsync.errors import UserError
 from gradsync.models import check_model
 from gradsync.netem import parse_shaped_rate
 from gradsync.options import StrategyOptions, field_names, options_from_mapping
-from gradsync.strategies import STRATEGIES, options_class
+from gradsync.strategies import STRATEGIES, UNAVAILABLE, options_class
 from gradsync.toml_keys import TomlKeys, read_toml
 
 # Bounds (issue 12): a typo such as repeats = 1000000000 is refused before any allocation.
@@ -438,6 +438,8 @@ def _strategy_options(fixed: Any, sweep: Any, where: str) -> dict[str, dict[str,
                 + ("[10000, 40000]" if lists else "20000")
             )
         for strategy, options in table.items():
+            if strategy in UNAVAILABLE:
+                raise UserError(f"{where}: {name}.{strategy}: {UNAVAILABLE[strategy]}")
             if strategy not in STRATEGIES:
                 raise UserError(f"{where}: {name}.{strategy}: unknown strategy '{strategy}'")
             cls = options_class(strategy)
@@ -539,6 +541,8 @@ def _check_names(experiment: Experiment, where: str) -> None:
             "results/<name>); use letters, digits, '.', '_' and '-'"
         )
     for strategy in experiment.strategies:
+        if strategy in UNAVAILABLE:
+            raise UserError(f"{where}: {UNAVAILABLE[strategy]}")
         if strategy not in STRATEGIES:
             raise UserError(
                 f"{where}: unknown strategy '{strategy}' in strategies; allowed: "

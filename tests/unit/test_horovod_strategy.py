@@ -51,3 +51,13 @@ def test_a_shared_flag_shows_each_strategys_default_where_they_differ() -> None:
     add_option_flags(parser, {"one": Small, "two": Small, "big": Large})
     text = " ".join(parser.format_help().split())
     assert "[one, two, big; default 4; big: 128]" in text
+
+
+@pytest.mark.skipif(unavailable() is None, reason="horovod.torch imports here")
+def test_an_experiment_naming_horovod_without_it_says_how_to_install_it(tmp_path) -> None:
+    from gradsync.bench.experiment import load_experiment
+
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\nmodels = ["mnist-cnn"]\nstrategies = ["allreduce", "horovod"]\n')
+    with pytest.raises(UserError, match=r"x\.toml: strategy 'horovod' runs real Horovod, but"):
+        load_experiment(path)
