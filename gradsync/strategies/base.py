@@ -209,6 +209,18 @@ class ServerOptions(StrategyOptions):
         """Ranks the servers add after the workers: none when colocated."""
         return 0 if self.colocate else self.num_servers(workers)
 
+    def server_ranks(self, workers: int) -> list[int]:
+        """Server s → its global rank: s when colocated (worker s serves it), after the
+        ``workers`` worker ranks otherwise.
+
+        Example:
+            >>> ServerOptions(servers=2).server_ranks(3)
+            [3, 4]
+            >>> ServerOptions(colocate=True).server_ranks(3)
+            [0, 1, 2]
+        """
+        return [s if self.colocate else workers + s for s in range(self.num_servers(workers))]
+
     def check(self, workers: int) -> None:
         if self.colocate and self.servers is not None:
             raise InvalidOption(
@@ -225,6 +237,11 @@ class ServerStrategy(Strategy):
 
     server_ranks: list[int]  # server s → its global rank (the worker's own when colocated)
     _step: int  # on a worker: steps done, the number of its next push
+
+    @classmethod
+    def num_server_ranks(cls, config: TrainConfig) -> int:
+        """The dedicated server ranks after the workers (none when colocated)."""
+        return config.strategy_options.extra_ranks(config.workers)
 
     @classmethod
     def held_by_servers(cls, config: TrainConfig) -> set[str]:

@@ -248,7 +248,7 @@ class Hybrid(ServerStrategy):
     def num_server_ranks(cls, config: TrainConfig) -> int:
         if not _has_sparse(config):
             return 0
-        return config.strategy_options.extra_ranks(config.workers)
+        return super().num_server_ranks(config)
 
     @classmethod
     def held_by_servers(cls, config: TrainConfig) -> set[str]:
@@ -306,10 +306,9 @@ class Hybrid(ServerStrategy):
         config = context.config
         self.options = config.strategy_options
         self.num_servers = self.options.num_servers(context.num_workers)
-        self.server_ranks = [
-            s if self.options.colocate else context.num_workers + s for s in range(self.num_servers)
-        ]
-        self.lanes = Lanes.create(context.world_size, timedelta(seconds=config.launch.timeout_s))
+        self.server_ranks = self.options.server_ranks(context.num_workers)
+        timeout = timedelta(seconds=config.launch.timeout_s)
+        self.lanes = Lanes.create(context.world_size, timeout)
         from gradsync.topology import detect_environment
 
         env = detect_environment()
@@ -322,7 +321,6 @@ class Hybrid(ServerStrategy):
             if n >= 0:
                 workers_by_node.setdefault(n, []).append(rank)
         if self.options.local_aggregation:
-            timeout = timedelta(seconds=context.config.launch.timeout_s)
             self.node = node_local_group(node if is_worker else -1 - context.rank, timeout)
             self.pushers = sorted(ranks[0] for ranks in workers_by_node.values())
         else:

@@ -161,10 +161,6 @@ class PriorityPropagation(ServerStrategy):
     # -- configuration -------------------------------------------------------------------
 
     @classmethod
-    def num_server_ranks(cls, config: TrainConfig) -> int:
-        return config.strategy_options.extra_ranks(config.workers)
-
-    @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         """Fail before launch when the model has fewer slices than servers."""
         trained = trainable_parameters(config)
@@ -185,9 +181,8 @@ class PriorityPropagation(ServerStrategy):
         timeout = timedelta(seconds=self.timeout_s)
         self.lanes = Lanes.create(context.world_size, timeout)
         self.num_servers = config.strategy_options.num_servers(workers)
-        # Server s lives on rank s when colocated, after the workers otherwise.
         colocate = config.strategy_options.colocate
-        self.server_ranks = [s if colocate else workers + s for s in range(self.num_servers)]
+        self.server_ranks = config.strategy_options.server_ranks(workers)
         initial, self.lr0 = share_initial(model, context.lr)
         self.slices = _slices(config, [(n, t.numel()) for n, t in initial.items()])
         if context.rank == 0:

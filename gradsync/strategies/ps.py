@@ -118,10 +118,6 @@ class ParameterServer(ServerStrategy):
     # -- configuration -------------------------------------------------------------------
 
     @classmethod
-    def num_server_ranks(cls, config: TrainConfig) -> int:
-        return config.strategy_options.extra_ranks(config.workers)
-
-    @classmethod
     def check_config(cls, config: TrainConfig) -> None:
         """Fail before launch when the model has fewer variables than servers."""
         params = trainable_parameters(config)
@@ -149,10 +145,7 @@ class ParameterServer(ServerStrategy):
         self.context = context
         self.lanes = Lanes.create(context.world_size, timedelta(seconds=config.launch.timeout_s))
         self.num_servers = options.num_servers(workers)
-        # Server s lives on rank s when colocated, after the workers otherwise.
-        self.server_ranks = [
-            s if options.colocate else workers + s for s in range(self.num_servers)
-        ]
+        self.server_ranks = options.server_ranks(workers)
         initial, self.lr0 = share_initial(model, context.lr)
         self.placement: Placement = _plan(config, initial)
         if context.rank == 0:
