@@ -79,6 +79,10 @@ KEYS: dict[str, str] = {
     "optimizer": "sgd | adam",
     "lr": "learning rate (number)",
     "lr_warmup_steps": "linear learning-rate warm-up steps (integer)",
+    "lr_base_batch": (
+        "the global batch lr was tuned for, that the lr_scaling rules scale from (positive "
+        "integer; default: the preset's batch)"
+    ),
     "steps": f"steps per job (positive integer, at most {MAX_STEPS:,})",
     "measure_warmup": "steps left out of throughput (integer; default 10%, at least 5)",
     "repeats": f"repeats of every cell (positive integer, at most {MAX_REPEATS})",
@@ -188,6 +192,7 @@ class Experiment:
     optimizer: str = "sgd"
     lr: float | None = None
     lr_warmup_steps: int = 0
+    lr_base_batch: int | None = None
     steps: int = 30
     measure_warmup: int | None = None
     repeats: int = 1
@@ -321,7 +326,7 @@ def load_experiment(path: str | Path) -> Experiment:
             )
     for rate in values.get("bandwidths", ()):
         parse_shaped_rate(rate, f"{where}: bandwidths entry")  # refused here, not by a cell's job
-    for key in ("steps", "repeats", "hosts"):
+    for key in ("steps", "repeats", "hosts", "lr_base_batch"):
         if key in keys:
             values[key] = keys.count(key)
     for key in ("measure_warmup", "lr_warmup_steps", "seed"):
@@ -553,6 +558,12 @@ def _check_names(experiment: Experiment, where: str) -> None:
             raise UserError(
                 f"{where}: unknown lr_scaling '{scaling}'; allowed: {', '.join(LR_SCALINGS)}"
             )
+    if experiment.lr_base_batch is not None and set(experiment.lr_scaling) == {"none"}:
+        raise UserError(
+            f"{where}: lr_base_batch sets the batch the lr_scaling rules scale from, and "
+            'lr_scaling is only "none"; add lr_scaling = ["linear"] (or "sqrt"), or drop '
+            "lr_base_batch"
+        )
     if experiment.optimizer not in OPTIMIZERS:
         raise UserError(
             f"{where}: unknown optimizer '{experiment.optimizer}'; allowed: {', '.join(OPTIMIZERS)}"

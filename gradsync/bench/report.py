@@ -143,10 +143,15 @@ def held_equal(experiment: Experiment) -> str:
         else "global batch (strong scaling)"
     )
     within = f"; each within one value of the swept {swept.words()}" if swept.names else ""
+    base_batch = (
+        f" (the rules scale it from a global batch of {experiment.lr_base_batch})"
+        if experiment.lr_base_batch
+        else ""
+    )
     return (
         f"Held equal in every cell: the model and preset, {data} with seed "
         f"{experiment.seed}, dropout off, BatchNorm over the global batch, {threads_text}"
-        f"{experiment.optimizer} at the same base learning rate and warm-up, "
+        f"{experiment.optimizer} at the same base learning rate{base_batch} and warm-up, "
         f"{experiment.steps} steps. Varied: {', '.join(varied) or 'nothing'}. Compared like "
         "with like: strategies at the same workers, link, batch, threads and learning-rate "
         f"rule; speedup and efficiency against the same cell at 1 worker with the same "

@@ -78,6 +78,8 @@ def cell_config(
             lr=experiment.lr,  # type: ignore[arg-type]
             lr_warmup_steps=experiment.lr_warmup_steps,
             lr_scaling=cell.lr_scaling,
+            # the base of a rule; a cell without one ("none") has nothing to scale from
+            lr_base_batch=experiment.lr_base_batch if cell.lr_scaling != "none" else None,
         ),  # type: ignore[arg-type]
         launch=launch,
     )

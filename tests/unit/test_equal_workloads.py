@@ -17,6 +17,7 @@ from gradsync.bench.report import _series, held_equal, reading
 from gradsync.bench.sweep import cell_config
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
+from gradsync.optim import effective_lr
 
 MNIST = {"name": "x", "path": "x.toml", "models": ["mnist-cnn"], "preset": "tiny"}
 
@@ -152,3 +153,23 @@ def test_held_equal_says_how_it_compares() -> None:
     assert "refused at launch" in swept
     pinned = held_equal(experiment(workers=[1, 2], threads=[1]))
     assert "1 intra-op thread per rank" in pinned and "global batch (strong scaling)" in pinned
+
+
+def test_lr_base_batch_is_where_the_rules_scale_from(tmp_path: Path) -> None:
+    """A weak-scaling experiment's rules were relative to the preset's batch (100 for
+    mnist-cnn): at 1 worker of 32 samples, "linear" trained at 0.32 × lr. lr_base_batch
+    sets the base; a cell without a rule gets none."""
+    path = tmp_path / "x.toml"
+    path.write_text(
+        'name = "x"\nmodels = ["mnist-cnn"]\nworkers = [1, 2]\nbatch_per_worker = [32]\n'
+        'lr = 0.02\nlr_scaling = ["none", "linear"]\nlr_base_batch = 32\n'
+    )
+    configs = jobs(load_experiment(path))
+    rates = {
+        (c.workers, c.optim.lr_scaling): effective_lr(c.optim, c.global_batch or 0, 100)
+        for c in configs.values()
+    }
+    assert rates == {(1, "none"): 0.02, (2, "none"): 0.02, (1, "linear"): 0.02, (2, "linear"): 0.04}
+    path.write_text(path.read_text().replace('["none", "linear"]', '["none"]'))
+    with pytest.raises(UserError, match=r'lr_base_batch sets .* lr_scaling is only "none"'):
+        load_experiment(path)
