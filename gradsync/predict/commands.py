@@ -639,8 +639,10 @@ def _write_predicted(out: Path, predicted: _Predicted) -> None:
         table_rows(points),
     )
     print(
-        "efficiency: samples/s ÷ (workers × one worker without communication); exposed: "
-        "share of the step spent waiting for communication"
+        "efficiency vs compute only: samples/s ÷ (workers × one worker without "
+        "communication), as Horovod's figures define it (bench's efficiency divides by the "
+        "same strategy at 1 worker instead); exposed: share of the step spent waiting for "
+        "communication"
     )
     for line in settings["refused"]:
         print(f"left out (gradsync refuses it): {line}")
