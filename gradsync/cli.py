@@ -1,4 +1,10 @@
-"""The ``gradsync`` command: parse → config → call. Nothing else lives here."""
+"""The ``gradsync`` command: its argument parser and one ``cmd_*`` function per subcommand.
+
+Besides turning arguments into a config and calling the toolkit, it holds the checks that
+need the parsed arguments together (``--resume`` vs ``--out``/``--overwrite``, several
+nodes vs ``--master-addr``, momentum with Adam), choosing and claiming a training run's
+folder (the default ``--out``, restarts), the table that ``compare`` prints and the
+listing of ``netem``."""
 
 from __future__ import annotations
 
@@ -223,7 +229,9 @@ def _add_overwrite(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 def _add_reliability_options(parser: argparse.ArgumentParser) -> None:
-    """Issue 12's flags (run folders, hangs, resume, restarts); a separate hunk to port."""
+    """The reliability flags: ``--overwrite`` and ``--hang-timeout`` on every command with
+    the model options (``train``, ``verify``, ``demo``), and ``--resume`` and
+    ``--max-restarts`` on ``train`` alone."""
     group = parser.add_argument_group("reliability")
     group.add_argument(
         "--overwrite",

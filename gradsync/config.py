@@ -88,7 +88,7 @@ class LaunchConfig:
     hosts: int = 0
     ranks_per_host: int | None = None
     bandwidth: str | None = None
-    # reliability (issue 12): a silent rank is named after this long; relaunches on a death
+    # reliability: a silent rank is named after this long; relaunches on a death
     hang_timeout_s: float = 60.0
     max_restarts: int = 0
 
@@ -192,7 +192,7 @@ class TrainConfig:
     log_every: int | None = None
     timeline: str | None = None
     timeline_steps: str | None = None
-    resume: bool = False  # continue from the checkpoint in ``out`` (issue 12)
+    resume: bool = False  # continue from the checkpoint in ``out``
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy_options: Any = None  # the strategy's Options (None: its defaults; a dict: read)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

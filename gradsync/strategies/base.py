@@ -1,13 +1,22 @@
 """The strategy protocol: how gradients become the next step's parameters.
 
-A strategy is one file and one registry line. The trainer calls, in order::
+A strategy is one file and one registry line. On a worker rank the trainer and the
+runtime call, in order::
 
     module = strategy.setup(model, context)     # hooks, wrappers, initial broadcast
     strategy.restore_state(tensors, steps_done) # --resume only: a checkpoint's state
-    ... forward(module), loss.backward() ...
-    strategy.step()                             # finish communication, update parameters
+    held = strategy.overwritten_by_servers()    # parameters the servers overwrite every step
+    strategy.stats()                            # the counters before the first step
+    for each step:
+        ... forward(module), loss.backward() ...
+        strategy.step()                         # finish communication, update parameters
+        strategy.stats(); strategy.current_lr() # the step's metrics
+        strategy.checkpoint_tensors()           # every --checkpoint-every steps
+    strategy.checkpoint_tensors()               # the final checkpoint
+    strategy.finish()                           # release servers, threads, peers
 
-Server ranks (strategies that have them) call ``strategy.serve()`` instead of training.
+Dedicated server ranks (strategies that have them) call only ``strategy.serve(context)``,
+instead of all of the above.
 """
 
 from __future__ import annotations
