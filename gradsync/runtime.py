@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -174,22 +175,51 @@ def _prepare_worker(
     torch.manual_seed(mix_seed(config.seed, env.rank))  # dropout differs per rank, reproducibly
     lr = effective_lr(config.optim, global_batch, workload.global_batch)
     checkpoint = load_checkpoint(Path(config.out) / CHECKPOINT_FILE) if config.resume else None
-    context = Context(
-        config=config,
-        rank=env.rank,
-        world_size=env.world_size,
-        worker_index=env.rank,
-        num_workers=config.workers,
-        device=device,
-        worker_group=worker_group,
+    context = _context(
+        config,
+        env,
+        device,
+        worker_group,
+        timeline,
         make_updater=lambda params: Updater(params, config.optim, lr=lr, timeline=timeline),
-        timeline=timeline,
+        steps_done=int(checkpoint.meta["step"]) if checkpoint else 0,
         lr=lr,
         missing_gradients=missing,
-        steps_done=int(checkpoint.meta["step"]) if checkpoint else 0,
     )
     meta = _run_meta(config, global_batch, lr, threads)
     return _WorkerRun(config, env, workload, global_batch, context, meta, threads, checkpoint)
+
+
+def _context(
+    config: TrainConfig,
+    env: RankEnv,
+    device: torch.device,
+    worker_group: Any,
+    timeline: Timeline,
+    *,
+    make_updater: Callable[[Iterable[torch.nn.Parameter]], Updater],
+    steps_done: int,
+    role: str = "worker",
+    lr: float = 0.0,
+    missing_gradients: frozenset[str] | None = None,
+) -> Context:
+    """The strategy's context on this rank: a worker's index is its rank; a dedicated server
+    (``role="server"``) has none (-1)."""
+    return Context(
+        config=config,
+        rank=env.rank,
+        world_size=env.world_size,
+        worker_index=env.rank if role == "worker" else -1,
+        num_workers=config.workers,
+        device=device,
+        worker_group=worker_group,
+        make_updater=make_updater,
+        timeline=timeline,
+        role=role,
+        lr=lr,
+        missing_gradients=missing_gradients,
+        steps_done=steps_done,
+    )
 
 
 def _set_batchnorm_mode(
@@ -357,19 +387,16 @@ def _serve(
 ) -> None:
     """A dedicated server rank: serve until every worker is done (it writes its own metrics),
     then wait at the final barrier with the workers."""
-    context = Context(
-        config=config,
-        rank=env.rank,
-        world_size=env.world_size,
-        worker_index=-1,
-        num_workers=config.workers,
-        device=device,
-        worker_group=worker_group,
+    context = _context(
+        config,
+        env,
+        device,
+        worker_group,
+        timeline,
         # Unused: servers build their optimizer with the scaled lr worker 0 sends them.
         make_updater=lambda params: Updater(params, config.optim, lr=config.optim.base_lr()),
-        role="server",
-        timeline=timeline,
         steps_done=(checkpoint_step(Path(config.out)) or 0) if config.resume else 0,
+        role="server",
     )
     try:
         with beating("serve"):  # the server loop waits on its inbox, not on steps
