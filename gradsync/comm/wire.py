@@ -138,8 +138,17 @@ class Header:
 
     @classmethod
     def decode(cls, tensor: Tensor) -> Header:
-        kind, *numbers, lr, count = tensor.tolist()
-        return cls(Kind(int(kind)), *(int(n) for n in numbers), lr=lr, count=int(count))
+        kind, worker, step, index, priority, length, lr, count = tensor.tolist()  # as encoded
+        return cls(
+            kind=Kind(int(kind)),
+            worker=int(worker),
+            step=int(step),
+            index=int(index),
+            priority=int(priority),
+            length=int(length),
+            lr=lr,
+            count=int(count),
+        )
 
 
 @dataclass
