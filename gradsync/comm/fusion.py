@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import Work
+from torch.futures import Future
 
 from gradsync.comm.counters import CommStats
 from gradsync.comm.ready import ReadyOnce
@@ -41,7 +43,9 @@ class Bucket:
     offsets: list[int]
     buffer: Tensor
     pending: int = 0
-    work: Any = None
+    # The allreduce in flight: its Work, or, with the timeline on, the Future chained to it
+    # that stamps the end (on CUDA a Future's wait() orders streams; Work.wait() blocks).
+    work: Work | Future[None] | None = None
     queued: bool = False
 
     def reset(self) -> None:
@@ -211,8 +215,11 @@ class FusedAllreduce:
         work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         if self.timeline.enabled:
             # The end is stamped when the allreduce completes, not when step() waits for it.
-            work = work.get_future().then(lambda _: self.timeline.end(bucket.name, Phase.ALLREDUCE))
-        bucket.work = work
+            bucket.work = work.get_future().then(
+                lambda _: self.timeline.end(bucket.name, Phase.ALLREDUCE)
+            )
+        else:
+            bucket.work = work
         self.stats.add_allreduce(num_bytes, self.world_size)
 
     def _copy_out(self, bucket: Bucket) -> None:

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from gradsync.checkpoint import OPTIM, PARAM, model_state
 from gradsync.comm.counters import CommStats
-from gradsync.comm.groups import node_local_group
+from gradsync.comm.groups import NodeGroup, node_local_group
 from gradsync.comm.objects import broadcast_json, broadcast_tensors
 from gradsync.comm.prefetch import RowPredictor, forward_indices, missing_rows
 from gradsync.comm.server import ColocatedServer, ServerMetrics, endpoints
@@ -320,6 +320,7 @@ class Hybrid(ServerStrategy):
         for rank, n in enumerate(int(t) for t in nodes):
             if n >= 0:
                 workers_by_node.setdefault(n, []).append(rank)
+        self.node: NodeGroup | None  # this worker's node, None without local aggregation
         if self.options.local_aggregation:
             self.node = node_local_group(node if is_worker else -1 - context.rank, timeout)
             self.pushers = sorted(ranks[0] for ranks in workers_by_node.values())
