@@ -45,7 +45,7 @@ def train(
     module = strategy.setup(workload.model, context)
     frozen = FrozenParameters(workload.model)
     first_step = restore(strategy) if restore is not None else 0
-    edits = ServerValues(workload.model, strategy.overwritten_by_servers(), strategy.name)
+    edits = InPlaceEditGuard(workload.model, strategy.overwritten_by_servers(), strategy.name)
     timeline.instrument_forward(workload.model)
     module.train()
     # Worker k of N takes the k-th contiguous shard of every step's global batch.
@@ -131,19 +131,20 @@ class FrozenParameters:
                 )
 
 
-class ServerValues:
-    """The parameters whose values the strategy's servers hold, which the model must not
-    change in place: the next step's values from the servers would undo the change without
-    a word. The launcher's check sees one trial forward; this one sees every step's forward
-    and loss, so a change that depends on the data or the step is caught where it happens.
+class InPlaceEditGuard:
+    """A guard over the parameters whose values the strategy's servers hold, which the
+    model must not change in place: the next step's values from the servers would undo the
+    change without a word. The launcher's check sees one trial forward; this one sees every
+    step's forward and loss, so a change that depends on the data or the step is caught
+    where it happens.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
-        >>> values = ServerValues(model, {"weight"}, "ps")
+        >>> guard = InPlaceEditGuard(model, {"weight"}, "ps")
         >>> with torch.no_grad():
         ...     model.weight.clamp_(-0.1, 0.1)  # doctest: +ELLIPSIS
         Parameter containing:...
-        >>> values.check(step=3, rank=0)
+        >>> guard.check(step=3, rank=0)
         Traceback (most recent call last):
         ...
         gradsync.errors.UserError: the model changes parameter weight in place during forward ...
