@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
+from gradsync.comm.objects import all_gather_json, broadcast_json
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.options import StrategyOptions, option
@@ -175,24 +175,22 @@ def start_horovod(context: Context, options: HorovodOptions) -> Any:
         >>> # server = start_horovod(context, HorovodOptions())  # then hvd.rank() == worker
     """
     host = f"{socket.gethostname()}-{os.environ.get('GLOO_SOCKET_IFNAME', '')}"
-    hosts: list[Any] = [None] * context.num_workers
-    dist.all_gather_object(hosts, host, group=context.worker_group)
-    slots = slot_plan(hosts)
-    server, port = None, [0]
+    slots = slot_plan(all_gather_json(host, group=context.worker_group))
+    server, port = None, 0
     if context.worker_index == 0:
         from horovod.runner.common.util.hosts import SlotInfo
         from horovod.runner.http.http_server import RendezvousServer
 
         server = RendezvousServer()
-        port[0] = server.start()
+        port = server.start()
         server.init([SlotInfo(*slot) for slot in slots])
-    dist.broadcast_object_list(port, src=0, group=context.worker_group)
+    port = broadcast_json(port, src=0, group=context.worker_group)
     hostname, rank, local_rank, cross_rank, size, local_size, cross_size = slots[
         context.worker_index
     ]
     env = {
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": port[0],
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
         "HOROVOD_HOSTNAME": hostname,
