@@ -193,10 +193,14 @@ def summarize(
     measure_warmup: int | None,
     run_info: dict[str, Any],
     world_size: int | None = None,
+    lockstep: bool = True,
 ) -> dict[str, Any]:
     """Write ``summary.json``: throughput after warm-up, loss curve, bytes per step and rank.
 
-    The job's step time is the slowest worker's step time; loss is the mean over workers
+    The job's step time is the slowest worker's step time when the workers move in
+    ``lockstep``; otherwise (asynchronous updates: each worker goes on at its own pace) each
+    worker's shard counts at its own rate, so the job's step time is the harmonic mean of
+    the workers' (samples/s = Σ shard / step time). Loss is the mean over workers
     (equal shards, so it is the global-batch loss). ``cpu_s_per_step`` is the CPU time of
     every process of the job per step: the workers' (colocated servers included) and the
     dedicated servers'. Only this run's ranks are read: the workers of
@@ -206,7 +210,8 @@ def summarize(
     records = read_records(out_dir, range(workers))
     steps = sorted({r["step"] for lines in records.values() for r in lines})
     by_step = {s: [r for lines in records.values() for r in lines if r["step"] == s] for s in steps}
-    step_times = [max(r["step_time_s"] for r in by_step[s]) for s in steps]
+    job_step_time = max if lockstep else statistics.harmonic_mean
+    step_times = [job_step_time([r["step_time_s"] for r in by_step[s]]) for s in steps]
     losses = [statistics.fmean(r["loss"] for r in by_step[s]) for s in steps]
     rate = throughput(step_times, global_batch, warmup_steps=measure_warmup)
     measured = steps[rate.warmup_steps :]

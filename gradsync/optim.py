@@ -37,6 +37,17 @@ def effective_lr(config: OptimConfig, global_batch: int, base_batch: int) -> flo
     return config.base_lr() * factor
 
 
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The share of the peak learning rate that update ``step`` (0-based) uses: gradual
+    warm-up (Goyal et al. 2017, §2.2) ramps it linearly over the first ``warmup_steps``.
+
+    Example:
+        >>> [warmup_factor(step, 4) for step in range(5)], warmup_factor(0, 0)
+        ([0.25, 0.5, 0.75, 1.0, 1.0], 1.0)
+    """
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+
+
 class Updater:
     """An optimizer plus its warm-up schedule: ``update()`` steps, schedules and zeroes grads.
 
@@ -63,9 +74,8 @@ class Updater:
         else:
             self.optimizer = torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
         warmup = config.lr_warmup_steps
-        # Gradual warm-up (Goyal et al. 2017, §2.2): ramp linearly over the first steps.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+            self.optimizer, lambda step: warmup_factor(step, warmup)
         )
         self._direct_step = direct_step_of(self.optimizer)
 

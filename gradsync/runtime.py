@@ -301,6 +301,8 @@ def _finish_worker(run: _WorkerRun, strategy: Strategy, timeline: Timeline) -> N
         global_batch=run.global_batch,
         measure_warmup=config.measure_warmup,
         world_size=env.world_size,
+        # asynchronous workers go on at their own pace: each counts at its own rate
+        lockstep=type(strategy).is_synchronous(config),
         run_info={
             **run.meta,
             "steps": config.steps,

@@ -86,7 +86,7 @@ def train(
                 bytes_sent=after.bytes_sent - before.bytes_sent,
                 bytes_recv=after.bytes_recv - before.bytes_recv,
                 exposed_comm_s=after.exposed_comm_s - before.exposed_comm_s,
-                lr=strategy.current_lr(),
+                lr=strategy.lr_of(step),
                 cpu_s=cpu_now - cpu_mark,
             )
         )

@@ -10,7 +10,7 @@ runtime call, in order::
     for each step:
         ... forward(module), loss.backward() ...
         strategy.step()                         # finish communication, update parameters
-        strategy.stats(); strategy.current_lr() # the step's metrics
+        strategy.stats(); strategy.lr_of(step)  # the step's metrics
         strategy.checkpoint_tensors()           # every --checkpoint-every steps
     strategy.checkpoint_tensors()               # the final checkpoint
     strategy.finish()                           # release servers, threads, peers
@@ -36,7 +36,7 @@ from gradsync.comm.server import ColocatedServer, ServerPolicy, serve
 from gradsync.comm.wire import Inbox
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
-from gradsync.optim import Updater
+from gradsync.optim import Updater, warmup_factor
 from gradsync.options import InvalidOption, StrategyOptions, option
 from gradsync.trace import NullTimeline, Timeline
 
@@ -81,6 +81,8 @@ class Strategy(ABC):
     summary: ClassVar[str]
     synchronous: ClassVar[bool] = True
     probes_gradients: ClassVar[bool] = False  # fill Context.missing_gradients before setup
+    # whether CommStats.exposed_comm_s is timed (ddp's waits are inside torch's reducer)
+    times_exposed_comm: ClassVar[bool] = True
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions  # this strategy's options
 
     def __init__(self) -> None:
@@ -104,9 +106,13 @@ class Strategy(ABC):
     def finish(self) -> None:  # noqa: B027 - optional hook
         """After the last step and the final checkpoint: release servers, threads, peers."""
 
-    def current_lr(self) -> float:
-        """The learning rate of the last update (for the metrics)."""
-        return self.updater.lr if self.updater is not None else 0.0
+    def lr_of(self, step: int) -> float:
+        """The learning rate the update of ``step`` uses (for the metrics): the peak rate
+        after batch-size scaling, through the warm-up schedule every optimizer of the job
+        follows (workers' and servers' alike, whatever order the updates arrive in)."""
+        if self.context is None:
+            return 0.0
+        return self.context.lr * warmup_factor(step, self.context.config.optim.lr_warmup_steps)
 
     @classmethod  # noqa: B027 - optional hook
     def check_config(cls, config: TrainConfig) -> None:

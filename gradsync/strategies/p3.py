@@ -261,7 +261,6 @@ class PriorityPropagation(ServerStrategy):
         self._ready = ReadyOnce(
             "p3", "--strategy ps --no-overlap (it reads gradients after backward)"
         )
-        self._lr = context.lr
         self._cond = threading.Condition()
         self._writes = threading.Lock()  # guards the two below
         self._in_backward = False  # from this step's first gradient to step()
@@ -488,7 +487,6 @@ class PriorityPropagation(ServerStrategy):
         header = message.header
         layers = [self.layer_of[self.slices[i].name] for i, _ in unbundle(header, message.tensors)]
         with self._cond:
-            self._lr = header.lr
             for layer in layers:
                 self._remaining[layer] -= 1
                 if self._remaining[layer] == 0:
@@ -553,9 +551,6 @@ class PriorityPropagation(ServerStrategy):
         stats.bytes_recv = sum(self._bytes_recv)
         stats.exposed_comm_s = self._exposed_s
         return stats
-
-    def current_lr(self) -> float:
-        return self._lr
 
     def checkpoint_tensors(self) -> dict[str, Tensor] | None:
         """Worker 0 assembles the servers' authoritative state; buffers are its own."""

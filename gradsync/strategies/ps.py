@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradsync.checkpoint import load_model_state
 from gradsync.comm.placement import POLICIES, Placement, Variable, plan_placement
 from gradsync.comm.pushpull import Chunk, Client, DenseServer, chunk_reader, plan_chunks
 from gradsync.comm.ready import ReadyOnce
@@ -126,10 +128,14 @@ class ParameterServer(ServerStrategy):
 
     @classmethod
     def is_synchronous(cls, config: TrainConfig) -> bool:
-        return not config.strategy_options.asynchronous
+        """Synchronous, or asynchronous with one worker (whose pushes arrive in order, so
+        it must compute what ``single`` computes)."""
+        return not config.strategy_options.asynchronous or config.workers == 1
 
     def expected_difference(self, config: TrainConfig) -> str | None:
         options = config.strategy_options
+        if self.is_synchronous(config):
+            return None
         if options.staleness is not None:
             return f"asynchronous updates (staleness ≤ {options.staleness} steps)"
         if options.async_updates:
@@ -308,20 +314,32 @@ class ParameterServer(ServerStrategy):
         self.counters.bytes_recv += received
         self.counters.exposed_comm_s += time.perf_counter() - started
 
-    def current_lr(self) -> float:
-        return self.client.lr
-
     def checkpoint_tensors(self) -> dict[str, Tensor] | None:
-        """Worker 0 assembles the servers' authoritative state; buffers are its own."""
-        if self.context is None or self.context.worker_index != 0 or self.model is None:
+        """Worker 0 assembles the servers' authoritative state; buffers are its own.
+
+        Every worker calls it. With asynchronous updates the servers apply a push on
+        arrival, so no worker pushes again before the state of this step is taken: a step
+        applied into it would be applied twice by ``--resume`` or a restart.
+        """
+        if self.context is None or self.model is None:
             return None
-        return assemble_checkpoint(self.model, self.pieces, self.client.request_state())
+        tensors = None
+        if self.context.worker_index == 0:
+            tensors = assemble_checkpoint(self.model, self.pieces, self.client.request_state())
+        if self.context.config.strategy_options.asynchronous:
+            dist.barrier(group=self.context.worker_group)
+        return tensors
 
     def load_checkpoint_tensors(self, tensors: dict[str, Tensor], steps_done: int) -> None:
         states = [split_variable(tensors, pieces) for pieces in self.pieces]
         self.client.load_state(states, steps_done)
 
     def finish(self) -> None:
+        if self.context.worker_index == 0 and self.context.config.strategy_options.asynchronous:
+            # Worker 0's copy is its last pull; later pushes of the others are on the
+            # servers. The validation after finish reads this worker's model.
+            final = assemble_checkpoint(self.model, self.pieces, self.client.request_state())
+            load_model_state(self.model, None, final)
         self.client.done()
         if self._colocated is not None:
             self._colocated.join(self.context.config.launch.timeout_s)

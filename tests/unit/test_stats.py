@@ -367,3 +367,21 @@ def test_markdown_table_escapes_pipes():
 
 def test_markdown_table_without_rows():
     assert markdown_table(["x"], []) == "| x |\n|---|"
+
+
+def test_summarize_counts_each_asynchronous_worker_at_its_own_rate(tmp_path):
+    """Workers taking turns being slow: in lockstep every step waits for the slow one; with
+    asynchronous updates each worker's shard counts at its own pace, and the job's samples
+    per second is the sum of the workers' (it read 104.5 where the job ran at about 192)."""
+    for rank in range(2):
+        times = [1.0 if (step + rank) % 2 else 0.25 for step in range(8)]
+        records = [
+            _record(s, rank, time=t, loss=1.0, sent=0, recv=0, exposed=0.0)
+            for s, t in enumerate(times)
+        ]
+        _write_rank(tmp_path, rank, records)
+    info = {"workers": 2}
+    lockstep = summarize(tmp_path, global_batch=8, measure_warmup=2, run_info=info)
+    free = summarize(tmp_path, global_batch=8, measure_warmup=2, run_info=info, lockstep=False)
+    assert lockstep["throughput"]["median"] == 8.0  # 8 samples per 1 s step
+    assert free["throughput"]["median"] == pytest.approx(4 / 1.0 + 4 / 0.25)  # 20.0
