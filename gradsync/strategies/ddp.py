@@ -63,6 +63,7 @@ class NativeDDP(Strategy):
     name = "ddp"
     summary = "torch DistributedDataParallel, its own reducer and hook (native baseline)"
     probes_gradients = True
+    times_exposed_comm = False  # its reducer waits inside backward, out of gradsync's sight
     Options = DDPOptions
 
     @classmethod

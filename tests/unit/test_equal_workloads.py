@@ -173,3 +173,12 @@ def test_lr_base_batch_is_where_the_rules_scale_from(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace('["none", "linear"]', '["none"]'))
     with pytest.raises(UserError, match=r'lr_base_batch sets .* lr_scaling is only "none"'):
         load_experiment(path)
+
+
+def test_a_strategy_that_does_not_time_its_exposed_communication_says_so() -> None:
+    """ddp's waits are inside torch's reducer: its column read 0.0 ms, as if it hid all."""
+    from gradsync.bench.report import HEADERS, _cells
+
+    column = HEADERS.index("exposed comm/step")
+    assert _cells(row("ddp", 1.0))[column] == "not timed"
+    assert _cells(row("allreduce", 1.0))[column] == "0.0 ms"
