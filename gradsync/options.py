@@ -144,6 +144,21 @@ def flag_of(item: dataclasses.Field[Any]) -> str:
     return item.metadata.get("flag") or f"--{item.name.replace('_', '-')}"
 
 
+def flag_named(owners: Mapping[str, type[StrategyOptions]], name: str) -> str:
+    """The command-line flag of option ``name``, as the first of ``owners`` that has it
+    declares it (``async_updates`` → ``--async``).
+
+    Example:
+        >>> from gradsync.strategies import STRATEGIES
+        >>> flag_named({n: c.Options for n, c in STRATEGIES.items()}, "async_updates")
+        '--async'
+    """
+    for cls in owners.values():
+        if name in field_names(cls):
+            return flag_of(_field(cls, name))
+    return f"--{name.replace('_', '-')}"
+
+
 def kind_of(cls: type[StrategyOptions], item: dataclasses.Field[Any]) -> tuple[type, bool]:
     """(``bool``/``int``/``float``/``str``/``tuple``, optional) of a field's annotation."""
     hint = typing.get_type_hints(cls)[item.name]

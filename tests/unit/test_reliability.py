@@ -755,3 +755,11 @@ def test_a_signal_while_a_rank_reports_its_error_ends_it_quietly(
     monkeypatch.setattr(runtime, "stop_on_signals", lambda: None)
     assert runtime.main(["unused"]) == 143
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_option_no_verified_strategy_takes_is_named_by_its_flag(tmp_path: Path) -> None:
+    """`verify --strategies ddp --async` named `--async-updates`, a flag nothing accepts."""
+    from gradsync.verify import check_cells
+
+    with pytest.raises(UserError, match=r"^--async: no strategy in this run takes it \(ddp\)"):
+        check_cells(TrainConfig(preset="tiny"), ["ddp"], [2], {"async_updates": True}, tmp_path)
