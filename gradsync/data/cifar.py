@@ -2,7 +2,8 @@
 
 ``data_batch_1.bin`` .. ``data_batch_5.bin`` each hold 3073-byte records: one label byte
 (0-9) then 3072 pixel bytes, the 32x32 red, green and blue planes in turn. Images are
-normalized per channel with the training set's mean and standard deviation.
+normalized per channel with the training set's mean and standard deviation. ``test_batch.bin``,
+where present, is the validation set (:func:`cifar_test_set`).
 
 Example:
     >>> data = CIFAR10Images("data/cifar-10-batches-bin", seed=0)  # doctest: +SKIP
@@ -17,10 +18,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradsync.data.base import Batch, IndexedSamples
+from gradsync.data.base import Batch, FixedSamples, IndexedSamples
 from gradsync.errors import UserError
 
 BATCH_FILES = tuple(f"data_batch_{number}.bin" for number in range(1, 6))
+TEST_FILE = "test_batch.bin"
 EXTRACTED_FOLDER = "cifar-10-batches-bin"
 IMAGE_SHAPE = (3, 32, 32)
 RECORD_BYTES = 1 + 3 * 32 * 32
@@ -70,17 +72,42 @@ class CIFAR10Images(IndexedSamples):
     def __init__(self, directory: str | Path, *, seed: int) -> None:
         location = find_cifar_directory(directory)
         records = torch.cat([read_records(location / name) for name in BATCH_FILES])
-        self.labels = records[:, 0].long()
-        if int(self.labels.max()) >= NUM_CLASSES:
-            raise UserError(
-                f"CIFAR-10 labels in {location} go up to {int(self.labels.max())}, expected 0-9; "
-                f"the files are not CIFAR-10 (CIFAR-100 has two label bytes), {_HOW_TO_FIX}"
-            )
-        self.images = records[:, 1:].reshape(-1, *IMAGE_SHAPE)
-        self._mean = torch.tensor(CHANNEL_MEAN).view(1, 3, 1, 1)
-        self._std = torch.tensor(CHANNEL_STD).view(1, 3, 1, 1)
+        self.images, self.labels = _images_and_labels(records, location)
         super().__init__(len(records), seed)
 
     def gather(self, indices: Tensor) -> Batch:
-        images = (self.images[indices].float() / 255.0 - self._mean) / self._std
-        return Batch(inputs=(images,), targets=self.labels[indices])
+        return Batch(inputs=(normalized(self.images[indices]),), targets=self.labels[indices])
+
+
+def cifar_test_set(directory: str | Path) -> FixedSamples | None:
+    """The 10,000 CIFAR-10 test images (``test_batch.bin``) for validation, if present,
+    normalized as the training images are.
+
+    Example:
+        >>> cifar_test_set("/nowhere") is None
+        True
+    """
+    location = Path(directory)
+    if location.is_dir():
+        location = find_cifar_directory(location)
+    if not (location / TEST_FILE).is_file():
+        return None
+    images, labels = _images_and_labels(read_records(location / TEST_FILE), location)
+    return FixedSamples(normalized(images), labels)
+
+
+def normalized(images: Tensor) -> Tensor:
+    """uint8 images [n, 3, 32, 32] as float, per channel with the training set's statistics."""
+    mean = torch.tensor(CHANNEL_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CHANNEL_STD).view(1, 3, 1, 1)
+    return (images.float() / 255.0 - mean) / std
+
+
+def _images_and_labels(records: Tensor, location: Path) -> tuple[Tensor, Tensor]:
+    labels = records[:, 0].long()
+    if int(labels.max()) >= NUM_CLASSES:
+        raise UserError(
+            f"CIFAR-10 labels in {location} go up to {int(labels.max())}, expected 0-9; "
+            f"the files are not CIFAR-10 (CIFAR-100 has two label bytes), {_HOW_TO_FIX}"
+        )
+    return records[:, 1:].reshape(-1, *IMAGE_SHAPE), labels

@@ -138,7 +138,13 @@ def build_workload(
     if is_user_model(name):
         return build_user_workload(name, request)
     check_preset(preset, name)
-    return model_spec(name).build(request)
+    workload = model_spec(name).build(request)
+    if data is not None and workload.num_train_samples is None:
+        # a real training set read by index (CIFAR-10, PTB, an image folder): its size
+        # gives the iterations per epoch
+        size = getattr(workload.dataset, "num_samples", None)
+        workload = dataclasses.replace(workload, num_train_samples=size)
+    return workload
 
 
 # The workloads of the checks in progress (see shared_workloads), by what builds them.

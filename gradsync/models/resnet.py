@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradsync.data.base import Dataset
-from gradsync.data.cifar import IMAGE_SHAPE, NUM_CLASSES, CIFAR10Images
+from gradsync.data.cifar import IMAGE_SHAPE, NUM_CLASSES, CIFAR10Images, cifar_test_set
 from gradsync.data.synthetic import SyntheticImages
 from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
 
@@ -146,12 +146,14 @@ def build(request: BuildRequest) -> Workload:
     parse_options(None, request.options, NAME)
     config = PRESETS[request.preset]
     dataset: Dataset
+    validation = None
     if request.data is None:
         dataset = SyntheticImages(
             seed=request.seed, num_classes=config.num_classes, image_shape=IMAGE_SHAPE
         )
     else:
         dataset = CIFAR10Images(request.data, seed=request.seed)
+        validation = cifar_test_set(request.data)
     model = CIFARResNet(config)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
     return Workload(
@@ -159,6 +161,8 @@ def build(request: BuildRequest) -> Workload:
         dataset=dataset,
         loss=F.cross_entropy,
         global_batch=config.global_batch,
+        validation=validation,
+        num_validation=validation.num_samples if validation is not None else 0,
         description=(
             f"{NAME} ({request.preset}): ResNet-{config.depth}, widths {config.stage_widths}, "
             f"option-A shortcuts, {num_parameters:,} parameters, "

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from gradsync.data.base import Dataset
 from gradsync.data.cifar import IMAGE_SHAPE as CIFAR_IMAGE_SHAPE
 from gradsync.data.cifar import NUM_CLASSES as CIFAR_NUM_CLASSES
-from gradsync.data.cifar import CIFAR10Images
+from gradsync.data.cifar import CIFAR10Images, cifar_test_set
 from gradsync.data.synthetic import SyntheticImages
 from gradsync.errors import UserError
 from gradsync.models.base import BuildRequest, ModelSpec, Workload, check_preset, parse_options
@@ -152,6 +152,7 @@ def build_vgg(
     if not request.dropout:
         config = dataclasses.replace(config, dropout=0.0)
     data, num_classes, data_description = dataset(config, request)
+    validation = cifar_test_set(request.data) if isinstance(data, CIFAR10Images) else None
     config = dataclasses.replace(config, num_classes=num_classes)
     model = VGG(config)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
@@ -160,6 +161,8 @@ def build_vgg(
         dataset=data,
         loss=F.cross_entropy,
         global_batch=config.global_batch,
+        validation=validation,
+        num_validation=validation.num_samples if validation is not None else 0,
         description=(
             f"{name} ({request.preset}): configuration {config.configuration}, widths "
             f"{config.stage_widths}, fc {config.fc_width}, {config.image_size}x"

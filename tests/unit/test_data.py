@@ -300,6 +300,32 @@ def test_cifar_models_train_on_cifar_files(tmp_path: Path, spec: ModelSpec) -> N
     run_forward(build(spec, tmp_path)).backward()
 
 
+@pytest.mark.parametrize("name", ["resnet56", "vgg16"])
+def test_cifar_data_gives_iterations_per_epoch_and_the_test_batch_validates(
+    tmp_path: Path, name: str
+) -> None:
+    """Only mnist-cnn reported either: CIFAR-10's five batch files and its test_batch.bin
+    gave iters/epoch None and validation accuracy None (seed 004's ResNet-56 on CIFAR-10)."""
+    from gradsync.evaluate import validation_accuracy
+    from gradsync.models import build_workload
+
+    write_cifar(tmp_path)
+    assert build_workload(name, preset="tiny", data=str(tmp_path)).validation is None
+    (tmp_path / "test_batch.bin").write_bytes(b"".join(write_cifar(tmp_path / "t")[:3]))
+    workload = build_workload(name, preset="tiny", data=str(tmp_path))
+    assert workload.num_train_samples == 10 and workload.num_validation == 3
+    accuracy = validation_accuracy(workload.model, workload, torch.device("cpu"))
+    assert accuracy is not None and 0.0 <= accuracy <= 1.0
+
+
+def test_ptb_data_gives_iterations_per_epoch(tmp_path: Path) -> None:
+    from gradsync.models import build_workload
+
+    (tmp_path / "ptb.train.txt").write_text(PTB_TEXT * 4, encoding="utf-8")
+    workload = build_workload("lstm-lm", preset="tiny", data=str(tmp_path))
+    assert workload.num_train_samples == workload.dataset.num_samples > 0
+
+
 def test_vgg_at_imagenet_size_rejects_cifar_data(tmp_path: Path) -> None:
     write_cifar(tmp_path)
     with pytest.raises(UserError, match=r"preset \'paper\' takes 224x224 images .* reads CIFAR-10"):
