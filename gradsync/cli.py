@@ -9,6 +9,7 @@ listing of ``netem``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -99,6 +100,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{value:g} is not a finite number above 0")
+    return value
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -146,11 +157,19 @@ def _add_model_options(
         )
     add_model_flags(group)
     group.add_argument("--data", help="real data file or folder (default: synthetic data)")
-    group.add_argument(
+    length = group.add_mutually_exclusive_group()
+    length.add_argument(
         "--steps",
         type=_positive_int,
         default=default_steps,
         help=f"training steps (default {default_steps})",
+    )
+    length.add_argument(
+        "--epochs",
+        type=_positive_number,
+        metavar="E",
+        help="train E passes over a real training set (--data, or a user model's dataset) "
+        "instead of --steps: steps = ceil(E × training samples / global batch)",
     )
     group.add_argument(
         "--global-batch",
@@ -477,7 +496,12 @@ def _config(args: argparse.Namespace, **overrides: object):
         dtype=args.precision if hasattr(args, "precision") else args.dtype,
     )
     fields.update(overrides)
-    return TrainConfig(**fields)  # type: ignore[arg-type]
+    config = TrainConfig(**fields)  # type: ignore[arg-type]
+    if getattr(args, "epochs", None) is not None and "steps" not in overrides:
+        from gradsync.models import steps_for_epochs
+
+        config = dataclasses.replace(config, steps=steps_for_epochs(config, args.epochs))
+    return config
 
 
 def _strategy_options(strategy: str, args: argparse.Namespace):
@@ -840,7 +864,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.experiment)
     out = Path(args.out or f"results/{experiment.name}")
     cells = experiment.cells()
-    print(f"{experiment.name}: {len(cells)} cells, {experiment.steps} steps each; results in {out}")
+    print(f"{experiment.name}: {len(cells)} cells, {experiment.length} each; results in {out}")
     records = run_sweep(
         experiment,
         out,

@@ -82,7 +82,12 @@ def estimate_seconds(experiment: Experiment) -> float:
         >>> # estimate_seconds(load_experiment("experiments/tiny.toml"))  # 6 cells → 192.0
     """
     per_step = STEP_S.get(experiment.preset, STEP_S["default"])
-    return len(experiment.cells()) * (STARTUP_S + experiment.steps * per_step)
+    if experiment.epochs is None:
+        return len(experiment.cells()) * (STARTUP_S + experiment.steps * per_step)
+    from gradsync.bench.sweep import cell_config
+
+    steps = [cell_config(experiment, c, Path(".")).steps for c in experiment.cells()]
+    return sum(STARTUP_S + n * per_step for n in steps)
 
 
 def job_shape(

@@ -84,6 +84,10 @@ KEYS: dict[str, str] = {
         "integer; default: the preset's batch)"
     ),
     "steps": f"steps per job (positive integer, at most {MAX_STEPS:,})",
+    "epochs": (
+        "passes over the real training set per job, instead of steps: each cell's steps "
+        "follow from its global batch (number above 0)"
+    ),
     "measure_warmup": "steps left out of throughput (integer; default 10%, at least 5)",
     "repeats": f"repeats of every cell (positive integer, at most {MAX_REPEATS})",
     "seed": "seed (integer)",
@@ -194,11 +198,17 @@ class Experiment:
     lr_warmup_steps: int = 0
     lr_base_batch: int | None = None
     steps: int = 30
+    epochs: float | None = None
     measure_warmup: int | None = None
     repeats: int = 1
     seed: int = 0
     verify: bool = False
     published_gain: PublishedGain | None = None
+
+    @property
+    def length(self) -> str:
+        """How long every job trains, in the experiment's own terms ("30 steps", "2 epochs")."""
+        return f"{self.steps} steps" if self.epochs is None else f"{self.epochs:g} epochs"
 
     def cells(self) -> list[Cell]:
         """The matrix, reference cells first (so correctness is known as early as possible)."""
@@ -337,6 +347,10 @@ def load_experiment(path: str | Path) -> Experiment:
             values[key] = keys.text(key)
     if "lr" in keys:
         values["lr"] = keys.positive("lr")
+    if "epochs" in keys:
+        if "steps" in keys:
+            raise UserError(f"{where}: steps and epochs both set the length of every job; keep one")
+        values["epochs"] = keys.positive("epochs", example="2")
     if "verify" in keys:
         values["verify"] = keys.flag("verify")
     if "model_options" in raw:
@@ -372,7 +386,7 @@ def check_steps_and_batches(experiment: Experiment, where: str) -> None:
         gradsync.errors.UserError: x.toml: measure_warmup = 4 leaves none of steps = 4 to ...
     """
     warmup, steps = experiment.measure_warmup, experiment.steps
-    if warmup is not None and warmup >= steps:
+    if warmup is not None and warmup >= steps and experiment.epochs is None:
         raise UserError(
             f"{where}: measure_warmup = {warmup} leaves none of steps = {steps} to measure; "
             "lower measure_warmup or raise steps"

@@ -152,7 +152,7 @@ def held_equal(experiment: Experiment) -> str:
         f"Held equal in every cell: the model and preset, {data} with seed "
         f"{experiment.seed}, dropout off, BatchNorm over the global batch, {threads_text}"
         f"{experiment.optimizer} at the same base learning rate{base_batch} and warm-up, "
-        f"{experiment.steps} steps. Varied: {', '.join(varied) or 'nothing'}. Compared like "
+        f"{experiment.length}. Varied: {', '.join(varied) or 'nothing'}. Compared like "
         "with like: strategies at the same workers, link, batch, threads and learning-rate "
         f"rule; speedup and efficiency against the same cell at 1 worker with the same "
         f"{scaling}{within}; a compared pair differing in dropout, BatchNorm, data, batch "

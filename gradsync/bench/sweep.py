@@ -83,6 +83,10 @@ def cell_config(
         ),  # type: ignore[arg-type]
         launch=launch,
     )
+    if experiment.epochs is not None:  # the same passes over the data in every cell
+        from gradsync.models import steps_for_epochs
+
+        config = dataclasses.replace(config, steps=steps_for_epochs(config, experiment.epochs))
     return config
 
 

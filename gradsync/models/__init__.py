@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -136,12 +137,13 @@ def build_workload(
         preset=preset, seed=seed, data=data, dropout=dropout, options=dict(options or {})
     )
     if is_user_model(name):
-        return build_user_workload(name, request)
-    check_preset(preset, name)
-    workload = model_spec(name).build(request)
-    if data is not None and workload.num_train_samples is None:
-        # a real training set read by index (CIFAR-10, PTB, an image folder): its size
-        # gives the iterations per epoch
+        workload = build_user_workload(name, request)
+    else:
+        check_preset(preset, name)
+        workload = model_spec(name).build(request)
+    if (data is not None or is_user_model(name)) and workload.num_train_samples is None:
+        # a real training set read by index (CIFAR-10, PTB, an image folder, a user's
+        # dataset): its size gives the iterations per epoch
         size = getattr(workload.dataset, "num_samples", None)
         workload = dataclasses.replace(workload, num_train_samples=size)
     return workload
@@ -223,6 +225,26 @@ def workload_of(config: TrainConfig, *, dropout: bool = False) -> Workload:
     return workload
 
 
+def steps_for_epochs(config: TrainConfig, epochs: float) -> int:
+    """The steps that pass ``epochs`` times over ``config``'s training set at its global
+    batch (the last step may go into the next epoch); a UserError for synthetic data,
+    which has no epochs.
+
+    Example:
+        >>> from gradsync.config import TrainConfig
+        >>> steps_for_epochs(TrainConfig(model="mnist-cnn", data="sklearn:digits"), 2)
+        29
+    """
+    workload = workload_of(config)
+    if workload.num_train_samples is None:
+        raise UserError(
+            f"epochs need a real training set, and {config.model} trains on synthetic data "
+            "(no epochs: every step draws new samples); pass --data, or give steps instead"
+        )
+    global_batch = config.global_batch or workload.global_batch
+    return max(1, math.ceil(epochs * workload.num_train_samples / global_batch))
+
+
 __all__ = [
     "DEFAULT_MODEL",
     "REGISTRY",
@@ -236,5 +258,6 @@ __all__ = [
     "resolved_options",
     "same_options",
     "shared_workloads",
+    "steps_for_epochs",
     "workload_of",
 ]

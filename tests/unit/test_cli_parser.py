@@ -76,6 +76,9 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         # said only "not a positive integer" while profile takes a warm-up of 0 (probe 30b)
         (["commbench", "--warmup", "0"], "commbench always runs at least 1"),
         (["commbench", "--warmup", "x"], "'x' is not an integer"),
+        (["train", "--epochs", "1", "--steps", "3"], "--steps: not allowed with argument"),
+        (["verify", "--epochs", "0"], "0 is not a finite number above 0"),
+        (["train", "--epochs", "inf"], "inf is not a finite number above 0"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(capsys, argv, mentions):
@@ -459,3 +462,17 @@ def test_every_flag_of_every_command_says_what_it_does() -> None:
     ]
     assert silent == []
     assert "OPTION_" not in commands.choices["train"].format_help()
+
+
+def test_epochs_become_the_steps_of_the_training_set(capsys):
+    """Seed 004 asks for the same epochs at every worker count; only steps could be given."""
+    from gradsync.cli import _config
+
+    args = build_parser().parse_args(
+        ["train", "--model", "mnist-cnn", "--data", "sklearn:digits", "--epochs", "2",
+         "--global-batch", "64"]
+    )  # fmt: skip
+    assert _config(args).steps == 45  # ceil(2 × 1,438 / 64)
+    synthetic = build_parser().parse_args(["train", "--model", "mnist-cnn", "--epochs", "2"])
+    with pytest.raises(gradsync.errors.UserError, match="epochs need a real training set"):
+        _config(synthetic)

@@ -182,3 +182,20 @@ def test_a_strategy_that_does_not_time_its_exposed_communication_says_so() -> No
     column = HEADERS.index("exposed comm/step")
     assert _cells(row("ddp", 1.0))[column] == "not timed"
     assert _cells(row("allreduce", 1.0))[column] == "0.0 ms"
+
+
+def test_epochs_give_every_cell_the_same_passes_over_the_data(tmp_path: Path) -> None:
+    """With a fixed per-worker batch and one step count, 4 workers trained 4x the epochs of
+    1 (0.44 against 1.78), so the accuracy column compared unequal training."""
+    path = tmp_path / "x.toml"
+    path.write_text(
+        'name = "x"\nmodels = ["mnist-cnn"]\ndata = "sklearn:digits"\nworkers = [1, 2]\n'
+        "batch_per_worker = [32]\nepochs = 0.1\n"
+    )
+    exp = load_experiment(path)
+    steps = {c.workers: c.steps for c in jobs(exp).values()}
+    assert steps == {1: 5, 2: 3}  # ceil(0.1 × 1,438 / 32), ceil(0.1 × 1,438 / 64)
+    assert exp.length == "0.1 epochs" and "0.1 epochs. Varied" in held_equal(exp)
+    path.write_text(path.read_text() + "steps = 10\n")
+    with pytest.raises(UserError, match="steps and epochs both set the length"):
+        load_experiment(path)
