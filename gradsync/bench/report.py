@@ -445,6 +445,11 @@ def _plots(
         "speedup vs bandwidth": ("bandwidth", _bandwidth_lines),
         "loss vs step": ("loss", _loss_lines),
     }
+    # a plot along an axis the experiment does not sweep would show one point: left out
+    if len({row.cell.workers for row in rows}) < 2:
+        del drawings["scaling"]
+    if len({row.cell.bandwidth for row in rows}) < 2:
+        del drawings["speedup vs bandwidth"]
     paths = {}
     for kind, (name, draw) in drawings.items():
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -497,6 +502,7 @@ def _scaling_lines(ax: Any, model: str, series: dict[str, list[Row]]) -> None:
         if one is not None:
             ideal = [w * one for w in workers]
             ax.plot(workers, ideal, linestyle="--", color=f"C{index}", alpha=0.5)
+    ax.set_xticks(workers, [str(w) for w in workers])  # worker counts, not 1.5 workers
     ax.set_xlabel("workers")
     ax.set_ylabel("samples/s")
     ax.set_title(f"{model}: scaling (dashed: ideal N·T(1))")

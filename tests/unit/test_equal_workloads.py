@@ -199,3 +199,18 @@ def test_epochs_give_every_cell_the_same_passes_over_the_data(tmp_path: Path) ->
     path.write_text(path.read_text() + "steps = 10\n")
     with pytest.raises(UserError, match="steps and epochs both set the length"):
         load_experiment(path)
+
+
+def test_no_plot_along_an_axis_the_experiment_does_not_sweep(tmp_path: Path) -> None:
+    """A speedup-vs-bandwidth plot with no bandwidth swept showed one point at y = 1.0, and
+    a scaling plot one worker count."""
+    from gradsync.bench.report import _plots
+
+    exp = experiment(strategies=["ddp", "allreduce"], workers=[2])
+    rows = [row("ddp", 10.0), row("allreduce", 11.0)]
+    assert sorted(_plots(tmp_path, "mnist-cnn", rows, [], Swept.of(exp))) == [
+        "loss vs step",
+        "throughput by strategy",
+    ]
+    rows += [row("ddp", 4.0, bandwidth="1gbit"), row("allreduce", 6.0, bandwidth="1gbit")]
+    assert "speedup vs bandwidth" in _plots(tmp_path, "mnist-cnn", rows, [], Swept.of(exp))
