@@ -11,7 +11,7 @@ from gradsync.metrics import StepRecord
 
 
 class StepProgress:
-    """Shows step, loss and samples/s as training goes.
+    """Shows step, rank 0's shard loss and samples/s as training goes.
 
     Example:
         >>> with StepProgress(10, enabled=False) as progress:
@@ -41,7 +41,8 @@ class StepProgress:
     def update(self, record: StepRecord) -> None:
         if not self.enabled:
             return
-        status = f"loss {record.loss:.4f}  {record.samples_per_s:,.1f} samples/s"
+        # rank 0's own shard; the summary's loss is the mean over the workers
+        status = f"shard loss {record.loss:.4f}  {record.samples_per_s:,.1f} samples/s"
         if self._bar is not None:
             self._bar.update(self._task, advance=1, status=status)  # type: ignore[arg-type]
         elif (record.step + 1) % self.log_every == 0 or record.step + 1 == self.total_steps:
