@@ -184,7 +184,18 @@ def launch_local(
         config = _decide_device(config)
     launch = config.launch
     if world_size % launch.num_nodes:
-        raise UserError(f"{world_size} ranks do not divide over --nnodes {launch.num_nodes}")
+        workers = getattr(config, "workers", world_size)
+        servers = world_size - workers
+        fix = (
+            f"choose --workers and --servers so their sum ({workers} + {servers}) is a "
+            "multiple of --nnodes, or --colocate the servers in the workers"
+            if servers
+            else "choose --workers as a multiple of --nnodes"
+        )
+        raise UserError(
+            f"{world_size} ranks do not divide over --nnodes {launch.num_nodes}: every node "
+            f"starts as many ranks; {fix}"
+        )
     local_size = world_size // launch.num_nodes
     placement = None
     if launch.hosts:

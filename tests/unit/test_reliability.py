@@ -763,3 +763,13 @@ def test_an_option_no_verified_strategy_takes_is_named_by_its_flag(tmp_path: Pat
 
     with pytest.raises(UserError, match=r"^--async: no strategy in this run takes it \(ddp\)"):
         check_cells(TrainConfig(preset="tiny"), ["ddp"], [2], {"async_updates": True}, tmp_path)
+
+
+def test_ranks_that_do_not_divide_over_the_nodes_get_a_fix() -> None:
+    """`--nnodes 2` with ps on 2 workers and 1 server said only '3 ranks do not divide'."""
+    from gradsync.launch import launch_local
+
+    launch = dataclasses.replace(TrainConfig().launch, num_nodes=2)
+    config = TrainConfig(model="mnist-cnn", preset="tiny", strategy="ps", workers=2, launch=launch)
+    with pytest.raises(UserError, match=r"3 ranks do not divide .*\(2 \+ 1\).*--colocate"):
+        launch_local(config)
