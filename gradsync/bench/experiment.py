@@ -599,11 +599,13 @@ def _check_names(experiment: Experiment, where: str) -> None:
             if model not in experiment.models:
                 raise UserError(
                     f"{where}: published_gain for '{model}', which is not in models "
-                    f"({', '.join(experiment.models)})"
+                    f"({', '.join(experiment.models)}); a misspelt name would compare nothing: "
+                    f"add '{model}' to models, or drop its line from [published_gain]"
                 )
     for model in experiment.model_options:
         if model not in experiment.models:
             raise UserError(
                 f"{where}: model_options for '{model}', which is not in models "
-                f"({', '.join(experiment.models)})"
+                f"({', '.join(experiment.models)}); add '{model}' to models, or drop its "
+                "model_options"
             )

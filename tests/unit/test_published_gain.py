@@ -81,3 +81,14 @@ def test_gain_section_pairs_each_link_and_sets_the_paper_beside_it() -> None:
     assert "+5% (ranges overlap)" in text
     with_paper = PublishedGain(strategy="p3", baseline="ps", source="x", gains={"mnist-cnn": 0.66})
     assert "| +50% | +66% |" in "\n".join(gain_section(with_paper, rows))
+
+
+def test_a_gain_for_a_model_not_run_says_how_to_go_on(tmp_path: Path) -> None:
+    """Shrinking p3-artifact's models was refused with no way forward (seed probe, F10)."""
+    path = tmp_path / "x.toml"
+    path.write_text(
+        'name = "x"\nmodels = ["mnist-cnn"]\nstrategies = ["ps", "p3"]\n'
+        '[published_gain]\nstrategy = "p3"\nbaseline = "ps"\nsource = "P3"\nvgg19 = 0.66\n'
+    )
+    with pytest.raises(UserError, match=r"add 'vgg19' to models, or drop its line"):
+        load_experiment(path)
