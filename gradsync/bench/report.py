@@ -165,10 +165,12 @@ def _environment(records: list[dict]) -> list[str]:
     if not ok:
         return []
     env = ok[0].get("environment", {})
+    steps = sorted({len(r["step_times_s"]) for r in ok})  # several: epochs at several batches
+    steps_text = str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
     return [
         f"Measured with gradsync {env.get('gradsync')}, torch {env.get('torch')}, on "
         f"{env.get('cpu')} ({env.get('cores')} cores); steps per job "
-        f"{len(ok[0]['step_times_s'])}, warm-up {ok[0]['throughput'].get('warmup_steps')} "
+        f"{steps_text}, warm-up {ok[0]['throughput'].get('warmup_steps')} "
         "steps left out; throughput is the whole job's samples/s. "
         f"Allocator: {env.get('allocator', 'not recorded')}.",
         "",

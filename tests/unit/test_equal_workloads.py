@@ -214,3 +214,15 @@ def test_no_plot_along_an_axis_the_experiment_does_not_sweep(tmp_path: Path) -> 
     ]
     rows += [row("ddp", 4.0, bandwidth="1gbit"), row("allreduce", 6.0, bandwidth="1gbit")]
     assert "speedup vs bandwidth" in _plots(tmp_path, "mnist-cnn", rows, [], Swept.of(exp))
+
+
+def test_the_environment_line_gives_the_range_of_steps_when_epochs_set_them() -> None:
+    from gradsync.bench.report import _environment
+
+    throughput = {"median": 1.0, "low": 1.0, "high": 1.0, "warmup_steps": 5}
+    records = [
+        {"status": "ok", "step_times_s": [0.1] * n, "throughput": throughput, "loss": [],
+         "bytes_sent_per_step": 0.0, "exposed_comm_s_per_step": 0.0}
+        for n in (90, 23, 45)
+    ]  # fmt: skip
+    assert "steps per job 23–90," in _environment(records)[0]
