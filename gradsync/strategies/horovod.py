@@ -18,12 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from gradsync.comm.objects import all_gather_json, broadcast_json
+from gradsync.comm.ready import ReadyOnce
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.options import StrategyOptions, option
+from gradsync.probe import sparse_lookup_weights
 from gradsync.strategies.allreduce import (
     FP16_ROUNDING,
     fp16_compression_option,
@@ -98,6 +101,14 @@ class RealHorovod(Strategy):
         broadcast_parameters(model, context.worker_group)
         hvd = horovod()
         self._named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self._lookups = [] if options.sparse_as_dense else sorted(sparse_lookup_weights(model))
+        # Horovod asserts on a gradient accumulated twice ("Increase backward_passes_per_step",
+        # a knob gradsync does not expose): say what happened, as allreduce does.
+        self._ready = ReadyOnce(
+            "horovod", "--strategy ps --no-overlap (it reads gradients after backward)"
+        )
+        for name, param in self._named:
+            param.register_post_accumulate_grad_hook(lambda _p, name=name: self._ready.mark(name))
         self.updater = context.make_updater(model.parameters())
         compression = hvd.Compression.fp16 if options.fp16_compression else hvd.Compression.none
         self.updater.wrap(
@@ -112,6 +123,8 @@ class RealHorovod(Strategy):
 
     def step(self) -> None:
         assert self.updater is not None and self.context is not None
+        self._ready.reset()
+        self._fill_unread_lookups()
         self._count_bytes()
         started = time.perf_counter()
         with self.context.timeline.span(COMPUTE, Phase.COMM_WAIT):
@@ -119,6 +132,20 @@ class RealHorovod(Strategy):
         self.counters.exposed_comm_s += time.perf_counter() - started
         with self.updater.optimizer.skip_synchronize():
             self.updater.update()
+
+    def _fill_unread_lookups(self) -> None:
+        """A sparse lookup table this worker read no row of gets an empty sparse gradient.
+        Horovod would fill it with dense zeros and allreduce them while the workers that read
+        rows allgather theirs: the names never meet and the job hangs (Horovod's own note in
+        ``_allreduce_grad_async``). An empty one joins the others' allgather."""
+        assert self.model is not None
+        params = dict(self.model.named_parameters())
+        for name in self._lookups:
+            table = params[name]
+            if table.grad is None:
+                indices = torch.empty(1, 0, dtype=torch.long, device=table.device)
+                rows = table.new_empty(0, *table.shape[1:])
+                table.grad = torch.sparse_coo_tensor(indices, rows, table.shape)
 
     def _count_bytes(self) -> None:
         assert self.context is not None
