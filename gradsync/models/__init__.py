@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -235,14 +236,32 @@ def steps_for_epochs(config: TrainConfig, epochs: float) -> int:
         >>> steps_for_epochs(TrainConfig(model="mnist-cnn", data="sklearn:digits"), 2)
         29
     """
-    workload = workload_of(config)
-    if workload.num_train_samples is None:
+    options = tuple(sorted(config.model_options.items()))
+    samples, preset_batch = _epoch_shape(
+        config.model, config.preset, config.seed, config.data, options
+    )
+    if samples is None:
         raise UserError(
             f"epochs need a real training set, and {config.model} trains on synthetic data "
             "(no epochs: every step draws new samples); pass --data, or give steps instead"
         )
-    global_batch = config.global_batch or workload.global_batch
-    return max(1, math.ceil(epochs * workload.num_train_samples / global_batch))
+    global_batch = config.global_batch or preset_batch
+    return max(1, math.ceil(epochs * samples / global_batch))
+
+
+@functools.lru_cache(maxsize=32)
+def _epoch_shape(
+    model: str, preset: str, seed: int, data: str | None, options: tuple[tuple[str, str], ...]
+) -> tuple[int | None, int]:
+    """A workload's training-set size and default global batch. Its build reads the data,
+    and a sweep asks for every cell, for each report: built once, kept as two numbers."""
+    from gradsync.config import TrainConfig
+
+    config = TrainConfig(
+        model=model, preset=preset, seed=seed, data=data, model_options=dict(options)
+    )
+    workload = workload_of(config)
+    return workload.num_train_samples, workload.global_batch
 
 
 __all__ = [
