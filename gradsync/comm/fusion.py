@@ -28,7 +28,7 @@ from torch.distributed import Work
 from torch.futures import Future
 
 from gradsync.comm.counters import CommStats
-from gradsync.comm.ready import ReadyOnce
+from gradsync.comm.ready import READ_AFTER_BACKWARD, ReadyOnce
 from gradsync.trace import COMPUTE, NullTimeline, Phase, Timeline
 
 
@@ -132,9 +132,7 @@ class FusedAllreduce:
         names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
         self.buckets: list[Bucket] = []
         self._next_launch = 0
-        self._ready = ReadyOnce(
-            "allreduce", "--strategy ps --no-overlap (it reads gradients after backward)"
-        )
+        self._ready = ReadyOnce("allreduce", READ_AFTER_BACKWARD)
         self._slot: dict[int, tuple[Bucket, int]] = {}
         for number, indices in enumerate(plan_buckets(params, threshold_bytes, first_bucket_bytes)):
             members = [params[i] for i in indices]

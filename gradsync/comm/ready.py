@@ -15,6 +15,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from torch import nn
+
+# The way out for a strategy that sends gradients from hooks: one that reads them after backward.
+READ_AFTER_BACKWARD = "--strategy ps --no-overlap (it reads gradients after backward)"
+
 
 class GradientAccumulatedTwice(RuntimeError):
     """A parameter's gradient hook fired twice in one backward."""
@@ -44,4 +51,24 @@ class ReadyOnce:
         self.seen.clear()
 
 
-__all__ = ["GradientAccumulatedTwice", "ReadyOnce"]
+def guard_accumulations(strategy: str, named: Iterable[tuple[str, nn.Parameter]]) -> ReadyOnce:
+    """A :class:`ReadyOnce` marked by a hook of its own on each of ``named``: for a strategy
+    whose reduction runs in hooks gradsync does not own (torch's DDP reducer takes a second
+    accumulation without a word, Horovod asserts with advice gradsync has no flag for).
+    The strategy resets it every step.
+
+    Example:
+        >>> import torch
+        >>> layer = nn.Linear(2, 1)
+        >>> ready = guard_accumulations("ddp", layer.named_parameters())
+        >>> layer(torch.ones(1, 2)).sum().backward(); sorted(ready.seen)
+        ['bias', 'weight']
+    """
+    ready = ReadyOnce(strategy, READ_AFTER_BACKWARD)
+    for name, param in named:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(lambda _p, name=name: ready.mark(name))
+    return ready
+
+
+__all__ = ["READ_AFTER_BACKWARD", "GradientAccumulatedTwice", "ReadyOnce", "guard_accumulations"]

@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.comm.counters import tensor_bytes
-from gradsync.comm.ready import ReadyOnce
+from gradsync.comm.ready import guard_accumulations
 from gradsync.config import TrainConfig
 from gradsync.data.base import shard_bounds
 from gradsync.errors import UserError
@@ -127,14 +127,7 @@ class NativeDDP(Strategy):
         # torch's reducer takes a gradient accumulated twice in one backward (reentrant
         # checkpointing around a parameter used outside the segment) without a word, and
         # its parameters come out wrong: refuse it as gradsync's own strategies do.
-        self._ready = ReadyOnce(
-            "ddp", "--strategy ps --no-overlap (it reads gradients after backward)"
-        )
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(
-                    lambda _p, name=name: self._ready.mark(name)
-                )
+        self._ready = guard_accumulations("ddp", model.named_parameters())
         self.updater = context.make_updater(model.parameters())
         self._buffer_bytes = sum(tensor_bytes(b) for b in model.buffers())
         return wrapped if find_unused else _UnusedParameterHint(wrapped)

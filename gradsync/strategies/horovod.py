@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gradsync.comm.objects import all_gather_json, broadcast_json
-from gradsync.comm.ready import ReadyOnce
+from gradsync.comm.ready import guard_accumulations
 from gradsync.config import TrainConfig
 from gradsync.errors import UserError
 from gradsync.options import StrategyOptions, option
@@ -101,14 +101,11 @@ class RealHorovod(Strategy):
         broadcast_parameters(model, context.worker_group)
         hvd = horovod()
         self._named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        self._lookups = [] if options.sparse_as_dense else sorted(sparse_lookup_weights(model))
+        lookups = set() if options.sparse_as_dense else sparse_lookup_weights(model)
+        self._lookups = [p for name, p in self._named if name in lookups]
         # Horovod asserts on a gradient accumulated twice ("Increase backward_passes_per_step",
         # a knob gradsync does not expose): say what happened, as allreduce does.
-        self._ready = ReadyOnce(
-            "horovod", "--strategy ps --no-overlap (it reads gradients after backward)"
-        )
-        for name, param in self._named:
-            param.register_post_accumulate_grad_hook(lambda _p, name=name: self._ready.mark(name))
+        self._ready = guard_accumulations("horovod", self._named)
         self.updater = context.make_updater(model.parameters())
         compression = hvd.Compression.fp16 if options.fp16_compression else hvd.Compression.none
         self.updater.wrap(
@@ -138,10 +135,7 @@ class RealHorovod(Strategy):
         Horovod would fill it with dense zeros and allreduce them while the workers that read
         rows allgather theirs: the names never meet and the job hangs (Horovod's own note in
         ``_allreduce_grad_async``). An empty one joins the others' allgather."""
-        assert self.model is not None
-        params = dict(self.model.named_parameters())
-        for name in self._lookups:
-            table = params[name]
+        for table in self._lookups:
             if table.grad is None:
                 indices = torch.empty(1, 0, dtype=torch.long, device=table.device)
                 rows = table.new_empty(0, *table.shape[1:])

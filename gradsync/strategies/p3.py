@@ -76,7 +76,7 @@ from gradsync.comm.priority import (
     split_bundle,
     unbundle,
 )
-from gradsync.comm.ready import ReadyOnce
+from gradsync.comm.ready import READ_AFTER_BACKWARD, ReadyOnce
 from gradsync.comm.server import (
     ColocatedServer,
     Piece,
@@ -258,9 +258,7 @@ class PriorityPropagation(ServerStrategy):
                 lambda p, name=name: self._on_gradient(name, p)
             )
         self._step = 0
-        self._ready = ReadyOnce(
-            "p3", "--strategy ps --no-overlap (it reads gradients after backward)"
-        )
+        self._ready = ReadyOnce("p3", READ_AFTER_BACKWARD)
         self._cond = threading.Condition()
         self._writes = threading.Lock()  # guards the two below
         self._in_backward = False  # from this step's first gradient to step()
