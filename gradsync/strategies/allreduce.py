@@ -26,6 +26,14 @@ from gradsync.strategies.base import Context, Strategy, broadcast_parameters
 FP16_ROUNDING = "fp16 compression rounds every gradient to half precision"
 
 
+def fusion_threshold_option(default_mb: float) -> Any:
+    """The ``fusion_threshold_mb`` option, as ``allreduce``, ``hybrid`` and ``horovod`` take
+    it, each with its own default."""
+    return option(
+        default_mb, help="fusion bucket size in MB; 0 disables fusion", metavar="MB", at_least=0
+    )
+
+
 def fp16_compression_option() -> Any:
     """The ``fp16_compression`` option, as ``allreduce``, ``hybrid`` and ``horovod`` take it."""
     return option(False, help="allreduce gradients as float16", changes_results=True)
@@ -51,9 +59,7 @@ class FusionOptions(StrategyOptions):
     4/1 MB is 1.14× ddp on transformer and 1.42× on vgg16, 64 MB 1.01× and 1.03×.
     """
 
-    fusion_threshold_mb: float = option(
-        4.0, help="fusion bucket size in MB; 0 disables fusion", metavar="MB", at_least=0
-    )
+    fusion_threshold_mb: float = fusion_threshold_option(4.0)
     first_bucket_mb: float = option(
         1.0,
         help="cap of the first bucket (the gradients backward produces first), so they leave "

@@ -30,6 +30,7 @@ from gradsync.probe import sparse_lookup_weights
 from gradsync.strategies.allreduce import (
     FP16_ROUNDING,
     fp16_compression_option,
+    fusion_threshold_option,
     sparse_as_dense_option,
 )
 from gradsync.strategies.base import Context, Strategy, broadcast_parameters
@@ -42,9 +43,7 @@ class HorovodOptions(StrategyOptions):
     defaults are Horovod 0.28's (``HOROVOD_FUSION_THRESHOLD`` 128 MB, ``HOROVOD_CYCLE_TIME``
     1 ms)."""
 
-    fusion_threshold_mb: float = option(
-        128.0, help="fusion bucket size in MB; 0 disables fusion", metavar="MB", at_least=0
-    )
+    fusion_threshold_mb: float = fusion_threshold_option(128.0)
     cycle_time_ms: float = option(
         1.0,
         help="Horovod's cycle time: how long its background thread gathers ready tensors "
