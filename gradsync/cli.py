@@ -207,10 +207,10 @@ def _add_model_options(
         type=_positive_int,
         help="batch size --lr was tuned for (default: the preset's)",
     )
-    from gradsync.strategies import STRATEGIES, load_plugins
+    from gradsync.strategies import load_plugins, options_by_strategy
 
     load_plugins()
-    add_option_flags(parser, {name: cls.Options for name, cls in STRATEGIES.items()})
+    add_option_flags(parser, options_by_strategy())
     run = parser.add_argument_group("launch and measurement")
     run.add_argument(
         "--threads",
@@ -508,11 +508,10 @@ def _strategy_options(strategy: str, args: argparse.Namespace):
     """``train``'s strategy options from the flags given; a flag of another strategy is an
     error naming the strategies that take it."""
     from gradsync.options import given_options, options_for
-    from gradsync.strategies import STRATEGIES, strategy_class
+    from gradsync.strategies import options_by_strategy, strategy_class
 
     strategy_class(strategy)  # unknown names: one line listing the choices
-    owners = {name: cls.Options for name, cls in STRATEGIES.items()}
-    return options_for(strategy, owners, given_options(args))
+    return options_for(strategy, options_by_strategy(), given_options(args))
 
 
 def _timestamped(prefix: str) -> str:

@@ -149,8 +149,8 @@ def flag_named(owners: Mapping[str, type[StrategyOptions]], name: str) -> str:
     declares it (``async_updates`` → ``--async``).
 
     Example:
-        >>> from gradsync.strategies import STRATEGIES
-        >>> flag_named({n: c.Options for n, c in STRATEGIES.items()}, "async_updates")
+        >>> from gradsync.strategies import options_by_strategy
+        >>> flag_named(options_by_strategy(), "async_updates")
         '--async'
     """
     for cls in owners.values():

@@ -56,7 +56,7 @@ from gradsync.options import InvalidOption, field_names, flag_named, parse_texts
 from gradsync.rundir import record_failure
 from gradsync.runtime import CHECKPOINT_FILE
 from gradsync.stats import Throughput
-from gradsync.strategies import STRATEGIES, options_class, strategy_class
+from gradsync.strategies import options_by_strategy, options_class, strategy_class
 from gradsync.tables import markdown_table, print_table
 from gradsync.topology import default_threads
 
@@ -388,8 +388,7 @@ def check_cells(
     check_largest_job_fills_hosts(_cell_configs(base, _cells(strategies, workers), out, given))
     taken = {key for spec in strategies for key in field_names(options_class(spec.split(":")[0]))}
     if unused := sorted(set(given) - taken):
-        owners = {name: cls.Options for name, cls in STRATEGIES.items()}
-        names = ", ".join(flag_named(owners, key) for key in unused)
+        names = ", ".join(flag_named(options_by_strategy(), key) for key in unused)
         raise UserError(
             f"{names}: no strategy in this run takes it ({', '.join(strategies)}); drop it or "
             "add a strategy that does"

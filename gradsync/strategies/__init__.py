@@ -186,6 +186,16 @@ def options_class(name: str) -> type[StrategyOptions]:
     return strategy_class(name).Options
 
 
+def options_by_strategy() -> dict[str, type[StrategyOptions]]:
+    """Every registered strategy's options class, by name: what the flags are built from.
+
+    Example:
+        >>> options_by_strategy()["p3"].__name__
+        'P3Options'
+    """
+    return {name: cls.Options for name, cls in STRATEGIES.items()}
+
+
 def world_size_of(config: TrainConfig) -> int:
     """Processes in the job: the workers plus any server ranks the strategy adds."""
     return config.workers + strategy_class(config.strategy).num_server_ranks(config)
@@ -208,6 +218,7 @@ __all__ = [
     "Strategy",
     "check_strategy",
     "check_strategy_class",
+    "options_by_strategy",
     "options_class",
     "register",
     "strategy_class",
