@@ -325,10 +325,15 @@ class ParameterServer(ServerStrategy):
             return None
         tensors = None
         if self.context.worker_index == 0:
-            tensors = assemble_checkpoint(self.model, self.pieces, self.client.request_state())
+            tensors = self._servers_state()
         if self.context.config.strategy_options.asynchronous:
             dist.barrier(group=self.context.worker_group)
         return tensors
+
+    def _servers_state(self) -> dict[str, Tensor]:
+        """Every server's values and optimizer state, as checkpoint tensors (worker 0)."""
+        assert self.model is not None
+        return assemble_checkpoint(self.model, self.pieces, self.client.request_state())
 
     def load_checkpoint_tensors(self, tensors: dict[str, Tensor], steps_done: int) -> None:
         states = [split_variable(tensors, pieces) for pieces in self.pieces]
@@ -338,8 +343,7 @@ class ParameterServer(ServerStrategy):
         if self.context.worker_index == 0 and self.context.config.strategy_options.asynchronous:
             # Worker 0's copy is its last pull; later pushes of the others are on the
             # servers. The validation after finish reads this worker's model.
-            final = assemble_checkpoint(self.model, self.pieces, self.client.request_state())
-            load_model_state(self.model, None, final)
+            load_model_state(self.model, None, self._servers_state())
         self.client.done()
         if self._colocated is not None:
             self._colocated.join(self.context.config.launch.timeout_s)
