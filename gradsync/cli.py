@@ -497,7 +497,7 @@ def _config(args: argparse.Namespace, **overrides: object):
     )
     fields.update(overrides)
     config = TrainConfig(**fields)  # type: ignore[arg-type]
-    if getattr(args, "epochs", None) is not None and "steps" not in overrides:
+    if getattr(args, "epochs", None) is not None:  # --steps and --epochs are exclusive
         from gradsync.models import steps_for_epochs
 
         config = dataclasses.replace(config, steps=steps_for_epochs(config, args.epochs))
